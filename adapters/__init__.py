@@ -1,0 +1,1 @@
+"""Adapter specs shipped with pipespec (data files; see docs/spec-reference.md)."""

@@ -1,0 +1,57 @@
+"""``@pipespec.adapter``: register a hand-written model class in code, no TOML file needed.
+
+    @pipespec.adapter(architectures=["MyForCausalLM"], residual=True, capture="hidden + residual")
+    class MyModel(AuxHiddenStatesMixin, nn.Module):
+        ...
+
+The class must inherit ``AuxHiddenStatesMixin`` (its forward calls collect/pack). The decorator marks
+the class itself (``supports_aux_hidden_states_over_pp`` in its own ``__dict__``) and registers a spec
+with the highest precedence (see ``pipespec.registry``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from pipespec.errors import SpecError
+from pipespec.mixin import AuxHiddenStatesMixin
+from pipespec.registry import class_path, register_decorated
+from pipespec.spec import AdapterSpec
+
+T = TypeVar("T", bound=type)
+
+
+def adapter(
+    architectures: Sequence[str] = (),
+    *,
+    name: str | None = None,
+    model_types: Sequence[str] = (),
+    dialect: str = "vllm",
+    **fields: Any,
+) -> Callable[[T], T]:
+    """Register the decorated decoder class as supporting aux hidden states over PP."""
+
+    def wrap(cls: T) -> T:
+        if not issubclass(cls, AuxHiddenStatesMixin):
+            raise SpecError(
+                f"@pipespec.adapter on {cls.__name__}: the class must inherit pipespec.AuxHiddenStatesMixin "
+                "so its forward can collect and pack aux hidden states"
+            )
+        spec = AdapterSpec(
+            name=name or cls.__name__,
+            decoder_class=class_path(cls),
+            architectures=tuple(architectures),
+            model_types=tuple(model_types),
+            dialect=dialect,
+            source=f"@pipespec.adapter on {cls.__module__}.{cls.__qualname__}",
+            **fields,
+        )
+        cls.supports_aux_hidden_states_over_pp = True  # type: ignore[attr-defined]
+        cls.pipespec_spec = spec  # type: ignore[attr-defined]
+        cls.pipespec_num_layers_key = spec.num_layers_key  # type: ignore[attr-defined]
+        cls.pipespec_has_residual = spec.residual  # type: ignore[attr-defined]
+        register_decorated(spec, cls)
+        return cls
+
+    return wrap

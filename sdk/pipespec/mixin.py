@@ -1,0 +1,228 @@
+"""Model-side contract: what an adapted ``forward`` calls to capture, pack and collect aux states.
+
+A model class gains these methods by inheriting ``AuxHiddenStatesMixin`` (generated code and the
+``pipespec.adapt`` runtime path add it). State lives on the instance: each stage process configures
+its own model with ``set_pipeline_stage`` and ``set_aux_hidden_state_layers``; two models in one
+process never share a plan. Planning happens there, once; ``forward`` only reads cached attributes.
+
+An adapted forward looks like::
+
+    aux = self.collect_remote_aux_hidden_states(intermediate_tensors)  # last stage, else []
+    if self.aux_capture_input:                                         # id 0, stage 0
+        aux.append(hidden_states)
+    for idx in range(self.start_layer, self.end_layer):
+        hidden_states = self.layers[idx](hidden_states, ...)
+        if idx in self.aux_capture_after_layers:                        # id idx + 1
+            aux.append(hidden_states)
+    if not self.is_last_stage:
+        return IntermediateTensors({"hidden_states": hidden_states}
+                                   | self.pack_local_aux_hidden_states(local_aux)) ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from pipespec.intermediate import IntermediateTensors
+from pipespec.layout import AUX_KEY_PREFIX, LayoutPlan, StagePlan, plan_layout
+
+HIDDEN_KEY = "hidden_states"
+RESIDUAL_KEY = "residual"
+
+
+def aux_hidden_state_relay_keys(stage: StagePlan) -> tuple[str, ...]:
+    """Keys a stage passes through from its input to its output (empty on the first and last stage)."""
+    return stage.relays
+
+
+def hop_keys(stage: StagePlan, has_residual: bool) -> tuple[str, ...]:
+    """Every key ``stage`` sends to the next one, in a fixed order both sides derive from the plan."""
+    base = (HIDDEN_KEY, RESIDUAL_KEY) if has_residual else (HIDDEN_KEY,)
+    return base + stage.sends
+
+
+def reserve_aux_intermediate_tensor_slots(
+    tensors: IntermediateTensors, stage: StagePlan, like: str = HIDDEN_KEY
+) -> IntermediateTensors:
+    """Add the aux receive slots ``stage`` gets from its predecessor, shaped like ``tensors[like]``."""
+    template = tensors[like]
+    extra = {key: torch.zeros_like(template) for key in stage.receives if key not in tensors}
+    return tensors | extra
+
+
+def relay_aux_hidden_states(
+    received: Mapping[str, torch.Tensor] | None, outgoing: IntermediateTensors, relay_keys: Sequence[str]
+) -> IntermediateTensors:
+    """Merge the upstream aux states this stage passes through into what it sends on."""
+    if not relay_keys:
+        return outgoing
+    if received is None:
+        raise RuntimeError(f"stage must relay {list(relay_keys)} but received no intermediate tensors")
+    missing = [k for k in relay_keys if k not in received]
+    if missing:
+        raise RuntimeError(f"cannot relay aux hidden state {missing[0]!r}: keys present are {sorted(received.keys())}")
+    return outgoing | {k: received[k] for k in relay_keys}
+
+
+class AuxHiddenStatesMixin:
+    """Aux-state capture/pack/collect for one pipeline stage of a decoder stack.
+
+    Class attributes a spec (or generated code) sets:
+
+    * ``pipespec_num_layers_key`` — the config key holding N;
+    * ``pipespec_has_residual`` — whether stage hand-offs carry a separate ``residual``.
+    """
+
+    pipespec_num_layers_key: ClassVar[str] = "num_hidden_layers"
+    pipespec_has_residual: ClassVar[bool] = False
+    AUX_HIDDEN_STATE_KEY: ClassVar[str] = AUX_KEY_PREFIX
+
+    # Per-instance state; the class-level defaults describe an unconfigured single-stage model.
+    _pipespec_pp: tuple[int, int, tuple[int, ...] | None] | None = None
+    _pipespec_aux_ids: tuple[int, ...] = ()
+    _pipespec_layout: LayoutPlan | None = None
+    _pipespec_stage: StagePlan | None = None
+    _pipespec_boundary_rule: str = "allow"
+
+    # Cached for forward: plain attributes, no planning or host sync on the hot path.
+    aux_capture_input: bool = False
+    aux_capture_after_layers: frozenset[int] = frozenset()
+
+    # ----------------------------------------------------------------- configuration (called once)
+    def pipespec_num_layers(self) -> int:
+        config: Any = getattr(self, "config", None)
+        value = getattr(config, self.pipespec_num_layers_key, None) if config is not None else None
+        if value is None:
+            layers = getattr(self, "layers", None)
+            if layers is None:
+                raise RuntimeError(
+                    f"{type(self).__name__} has no config.{self.pipespec_num_layers_key} and no `layers`: cannot tell N"
+                )
+            value = len(layers)
+        return int(value)
+
+    def set_pipeline_stage(
+        self, rank: int, pp_size: int, partition: Sequence[int] | None = None, boundary_rule: str | None = None
+    ) -> None:
+        """Declare which stage of a ``pp_size``-stage pipeline this module is."""
+        self._pipespec_pp = (rank, pp_size, tuple(partition) if partition is not None else None)
+        if boundary_rule is not None:
+            self._pipespec_boundary_rule = boundary_rule
+        self._pipespec_replan()
+
+    def set_aux_hidden_state_layers(self, ids: Iterable[int]) -> None:
+        """Set the aux ids the draft needs (input-index convention; deduped and sorted)."""
+        self._pipespec_aux_ids = tuple(ids)
+        self._pipespec_replan()
+
+    def _pipespec_replan(self) -> None:
+        rank, pp_size, partition = self._pipespec_pp or (0, 1, None)
+        plan = plan_layout(
+            self.pipespec_num_layers(),
+            pp_size,
+            aux_layers=self._pipespec_aux_ids,
+            partition=partition,
+            boundary_rule=self._pipespec_boundary_rule,
+        )
+        stage = plan.stage(rank)
+        self._pipespec_layout = plan
+        self._pipespec_stage = stage
+        self.aux_capture_input = stage.capture_input
+        self.aux_capture_after_layers = stage.capture_after_layers
+
+    # ------------------------------------------------------------------------- plan accessors
+    @property
+    def pipespec_layout(self) -> LayoutPlan:
+        if self._pipespec_layout is None:
+            self._pipespec_replan()
+        assert self._pipespec_layout is not None
+        return self._pipespec_layout
+
+    @property
+    def pipespec_stage(self) -> StagePlan:
+        if self._pipespec_stage is None:
+            self._pipespec_replan()
+        assert self._pipespec_stage is not None
+        return self._pipespec_stage
+
+    @property
+    def start_layer(self) -> int:
+        return self.pipespec_stage.start_layer
+
+    @property
+    def end_layer(self) -> int:
+        return self.pipespec_stage.end_layer
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pipespec_stage.is_first
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pipespec_stage.is_last
+
+    @property
+    def aux_hidden_state_layers(self) -> tuple[int, ...]:
+        return self.pipespec_layout.aux_layers
+
+    @property
+    def aux_hidden_state_relay_keys(self) -> tuple[str, ...]:
+        return aux_hidden_state_relay_keys(self.pipespec_stage)
+
+    # ------------------------------------------------------------------------ forward helpers
+    def pack_local_aux_hidden_states(self, states: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Key this stage's captured states (in id order) by their global slots."""
+        stage = self.pipespec_stage
+        if len(states) != len(stage.produces):
+            raise RuntimeError(
+                f"stage {stage.rank} captured {len(states)} aux hidden states but produces ids {list(stage.produces)}"
+            )
+        return dict(zip(stage.own_keys, states))
+
+    def collect_remote_aux_hidden_states(self, intermediate_tensors: Mapping[str, torch.Tensor] | None) -> list[torch.Tensor]:
+        """The aux states produced upstream, in id order (a fresh list the caller appends to)."""
+        keys = self.pipespec_stage.collects
+        if not keys:
+            return []
+        if intermediate_tensors is None:
+            raise RuntimeError(f"missing aux hidden state {keys[0]!r}: this stage received no intermediate tensors")
+        out = []
+        for key in keys:
+            if key not in intermediate_tensors:
+                raise RuntimeError(
+                    f"missing aux hidden state {key!r} in the tensors from the previous stage; "
+                    f"keys present: {sorted(intermediate_tensors.keys())}"
+                )
+            out.append(intermediate_tensors[key])
+        return out
+
+    def relay_aux_hidden_states(
+        self, received: Mapping[str, torch.Tensor] | None, outgoing: IntermediateTensors
+    ) -> IntermediateTensors:
+        return relay_aux_hidden_states(received, outgoing, self.pipespec_stage.relays)
+
+    def make_stage_output(
+        self, hidden_states: torch.Tensor, local_aux: Sequence[torch.Tensor],
+        received: Mapping[str, torch.Tensor] | None, residual: torch.Tensor | None = None,
+    ) -> IntermediateTensors:
+        """What a non-last stage returns: hidden (+ residual) + relayed + own aux states."""
+        out = IntermediateTensors({HIDDEN_KEY: hidden_states})
+        if residual is not None:
+            out[RESIDUAL_KEY] = residual
+        out = out | self.pack_local_aux_hidden_states(local_aux)
+        return self.relay_aux_hidden_states(received, out)
+
+    def make_empty_intermediate_tensors(
+        self, leading_shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, hidden_size: int | None = None
+    ) -> IntermediateTensors:
+        """Receive buffers for this stage: exactly the keys the previous stage sends."""
+        if hidden_size is None:
+            hidden_size = int(getattr(getattr(self, "config", None), "hidden_size"))
+        shape = (*leading_shape, hidden_size)
+        tensors = IntermediateTensors({HIDDEN_KEY: torch.zeros(shape, dtype=dtype, device=device)})
+        if self.pipespec_has_residual:
+            tensors[RESIDUAL_KEY] = torch.zeros(shape, dtype=dtype, device=device)
+        return reserve_aux_intermediate_tensor_slots(tensors, self.pipespec_stage)
