@@ -220,7 +220,7 @@ class AuxHiddenStatesMixin:
     ) -> IntermediateTensors:
         """Receive buffers for this stage: exactly the keys the previous stage sends."""
         if hidden_size is None:
-            hidden_size = int(getattr(getattr(self, "config", None), "hidden_size"))
+            hidden_size = int(getattr(self, "config", None).hidden_size)
         shape = (*leading_shape, hidden_size)
         tensors = IntermediateTensors({HIDDEN_KEY: torch.zeros(shape, dtype=dtype, device=device)})
         if self.pipespec_has_residual:

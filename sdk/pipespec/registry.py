@@ -7,7 +7,7 @@ Sources, from lowest to highest precedence:
 3. ``decorator`` — ``@pipespec.adapter(...)`` on a model class.
 
 A higher source overrides a lower one for the same architecture or class (so a user can fix a shipped
-spec without forking pipespec). Two specs of the *same* source claiming one architecture or class is
+spec without forking pipespec); the overridden spec then answers for none of its keys. Two specs of the *same* source claiming one architecture or class is
 an error naming both, because nothing says which one the user meant.
 """
 
@@ -76,9 +76,13 @@ class Registry:
                     f"{spec.source} and {old.spec.source} both claim {key[0]} {key[1]!r} ({origin} specs): "
                     "keep one of them, or move the override to a higher-precedence source (PIPESPEC_ADAPTERS_PATH or the decorator)"
                 )
+        # An override supersedes the overridden spec as a whole: none of its keys keep answering.
+        rank = ORIGINS.index(origin)
+        higher = {k for k in keys if k in self._by_key and ORIGINS.index(self._by_key[k].origin) > rank}
+        superseded = {id(self._by_key[k]) for k in keys if k in self._by_key and k not in higher}
+        self._by_key = {k: e for k, e in self._by_key.items() if id(e) not in superseded}
         for key in keys:
-            old = self._by_key.get(key)
-            if old is None or ORIGINS.index(origin) >= ORIGINS.index(old.origin):
+            if key not in higher:
                 self._by_key[key] = entry
         self._entries.append(entry)
 

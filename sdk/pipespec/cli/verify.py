@@ -1,0 +1,81 @@
+"""``pipespec verify``: would this architecture or class run eagle3 under this pipeline layout?
+
+Exit 0 and a one-line verdict when supported; exit 1 with the verifier's message (what is wrong and
+what to do) when not; exit 2 for bad flags or an impossible layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from pipespec.cli.args import add_layout_arguments, layout_from_args
+from pipespec.errors import UnsupportedModelError, UsageError
+from pipespec.registry import default_registry
+from pipespec.verify import METHODS, verify_supports_aux_hidden_states_over_pp
+
+HELP = "check that an architecture or class supports aux hidden states over PP for a layout"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--architecture", metavar="A", help="HF architectures name, e.g. LlamaForCausalLM")
+    which.add_argument("--class", dest="class_path", metavar="module:Class", help="decoder class to import and check")
+    parser.add_argument("--method", default="eagle3", choices=METHODS)
+    add_layout_arguments(parser, num_layers_required=False)
+
+
+def import_class(path: str) -> type:
+    module_name, sep, name = path.partition(":")
+    if not sep or not module_name or not name:
+        raise UsageError(f"--class {path!r} is not 'package.module:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"--class {path!r}: cannot import module {module_name!r} ({exc})") from None
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type):
+        raise UsageError(f"--class {path!r}: module {module_name!r} has no class {name!r}")
+    return cls
+
+
+def run(args: argparse.Namespace) -> int:
+    registry = default_registry()
+    if args.architecture:
+        spec = registry.lookup(args.architecture)
+        if spec is None:
+            raise UnsupportedModelError(
+                f"`{args.architecture}` does not support {args.method} with pipeline parallelism: no adapter spec "
+                "names this architecture. Write one: `adapter-gen new <model_type>` scaffolds adapters/<model_type>.toml"
+            )
+        if not spec.supported:
+            raise UnsupportedModelError(
+                f"`{args.architecture}` does not support {args.method} with pipeline parallelism: "
+                f"{spec.reason.rstrip('.')} ({spec.source}). Adapt its forward with adapter-gen and register the result"
+            )
+        target: object = None
+        try:
+            target = import_class(spec.decoder_class)
+        except UsageError:
+            target = None  # e.g. a vLLM or remote-code class not installed here: the spec alone decides
+        name, rule = args.architecture, spec.boundary_rule
+    else:
+        target = import_class(args.class_path)
+        spec = registry.lookup(target)
+        name, rule = args.class_path, spec.boundary_rule if spec else "allow"
+    if args.num_layers is None:
+        raise UsageError("--num-layers is required to check a layout (the model's decoder layer count N)")
+    if args.boundary_rule == "allow":
+        args.boundary_rule = rule
+    default_aux = spec.default_aux_ids(args.num_layers) if spec else ()
+    layout = layout_from_args(args, default_aux=default_aux)
+    if target is not None:
+        support = verify_supports_aux_hidden_states_over_pp(target, args.method, layout, registry)
+        via = "" if support.supported_by is target else f" (inherited from {support.supported_by.__name__})"
+    else:
+        via = " (spec only; class not importable here)"
+    print(
+        f"{name}: supported for {args.method} with PP={layout.pp_size}, partition {list(layout.partition)}, "
+        f"aux ids {list(layout.aux_layers)}, boundary rule {layout.boundary_rule}{via}"
+    )
+    return 0
