@@ -1,0 +1,1 @@
+"""pipespec benchmarks: one module per benchmark, driven by `pipespec bench NAME`."""
