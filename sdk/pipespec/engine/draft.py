@@ -297,7 +297,12 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", t2d)
         # Not a registered buffer owner: ``.to(torch.bfloat16)`` would round ``inv_freq`` (transformers
         # computes rotary angles in float32 from it); rotary() moves it to the input's device instead.
-        self.__dict__["_rotary"] = LlamaRotaryEmbedding(config.layer)
+        self.reset_rotary()
+
+    def reset_rotary(self) -> None:
+        """(Re)build the rotary tables on the CPU in float32 (after construction on the meta device)."""
+        with torch.device("cpu"):
+            self.__dict__["_rotary"] = LlamaRotaryEmbedding(self.config.layer)
 
     # ------------------------------------------------------------------------------ pieces
     def combine_aux(self, aux: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
