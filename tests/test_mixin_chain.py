@@ -45,11 +45,11 @@ class ToyStack(AuxHiddenStatesMixin, nn.Module):
         aux = self.collect_remote_aux_hidden_states(intermediate_tensors) if self.is_last_stage else []
         local: list[torch.Tensor] = []
         if self.aux_capture_input:
-            local.append(hidden)
+            self.capture_aux_hidden_state(local, hidden)
         for idx in range(self.start_layer, self.end_layer):
             hidden = self.layers[idx](hidden)
             if idx in self.aux_capture_after_layers:
-                local.append(hidden)
+                self.capture_aux_hidden_state(local, hidden)
         if not self.is_last_stage:
             return self.make_stage_output(hidden, local, intermediate_tensors)
         return hidden, aux + local
@@ -152,3 +152,16 @@ def test_intermediate_tensors_merge_and_equality():
     assert "values differ" in IntermediateTensors({"hidden_states": torch.zeros(2)}).mismatches(a)[0]
     with pytest.raises(KeyError, match="keys present"):
         a["residual"]
+
+
+def test_overlap_sink_sees_each_state_under_its_key_when_captured():
+    m = ToyStack(6)
+    m.set_pipeline_stage(1, 2, [2, 4])
+    m.set_aux_hidden_state_layers([1, 3, 6])
+    seen = []
+    m.aux_overlap_sink = lambda key, t: seen.append((key, t.clone()))
+    x = torch.zeros(1, 3)
+    received = IntermediateTensors({"hidden_states": x, "aux_hidden_states_0": x})
+    hidden, aux = m(None, received)
+    assert [k for k, _ in seen] == ["aux_hidden_states_1", "aux_hidden_states_2"]
+    assert torch.equal(seen[0][1], x + (2**3 - 2**2)) and torch.equal(seen[1][1], hidden)

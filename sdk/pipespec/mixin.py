@@ -21,7 +21,7 @@ An adapted forward looks like::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -173,6 +173,17 @@ class AuxHiddenStatesMixin:
         return aux_hidden_state_relay_keys(self.pipespec_stage)
 
     # ------------------------------------------------------------------------ forward helpers
+    # Optional overlap sink: ``sink(key, tensor)`` is called the moment a state is captured, so a runtime
+    # can start sending it while the stage's remaining layers compute (see docs/engine.md, "overlap").
+    aux_overlap_sink: Callable[[str, torch.Tensor], None] | None = None
+
+    def capture_aux_hidden_state(self, local_aux: list[torch.Tensor], value: torch.Tensor) -> None:
+        """Record one captured state (in id order) and hand it to the overlap sink, if any."""
+        sink = self.aux_overlap_sink
+        if sink is not None:
+            sink(self.pipespec_stage.own_keys[len(local_aux)], value)
+        local_aux.append(value)
+
     def pack_local_aux_hidden_states(self, states: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Key this stage's captured states (in id order) by their global slots."""
         stage = self.pipespec_stage
