@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from pipespec.errors import LayoutError
 from pipespec.intermediate import IntermediateTensors
 from pipespec.layout import AUX_KEY_PREFIX, LayoutPlan, StagePlan, plan_layout
 
@@ -86,6 +87,10 @@ class AuxHiddenStatesMixin:
     _pipespec_layout: LayoutPlan | None = None
     _pipespec_stage: StagePlan | None = None
     _pipespec_boundary_rule: str = "allow"
+    # ``[start, end)`` the module materialised its layers for (vLLM's ``make_layers``), when it did so
+    # itself; generated vLLM-dialect code sets it. The stage plan must agree, else forward would run
+    # layers this module does not hold.
+    pipespec_built_layer_range: tuple[int, int] | None = None
 
     # Cached for forward: plain attributes, no planning or host sync on the hot path.
     aux_capture_input: bool = False
@@ -128,6 +133,13 @@ class AuxHiddenStatesMixin:
             boundary_rule=self._pipespec_boundary_rule,
         )
         stage = plan.stage(rank)
+        built = self.pipespec_built_layer_range
+        if built is not None and self._pipespec_pp is not None and tuple(built) != (stage.start_layer, stage.end_layer):
+            raise LayoutError(
+                f"{type(self).__name__} was built with layers [{built[0]}, {built[1]}) but stage {rank} of {pp_size} "
+                f"(partition {list(plan.partition)}) owns [{stage.start_layer}, {stage.end_layer}): pass "
+                "set_pipeline_stage the rank, pipeline size and partition the model was built with"
+            )
         self._pipespec_layout = plan
         self._pipespec_stage = stage
         self.aux_capture_input = stage.capture_input
