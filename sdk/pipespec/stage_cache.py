@@ -1,0 +1,76 @@
+"""A KV cache for one pipeline stage whose size queries answer from the stage's own layers.
+
+The trap (DESIGN.md, transformers 5.x): ``cache.get_seq_length()`` reads layer 0 and
+``create_causal_mask(..., layer_idx=None)`` sizes the mask from the first full-attention layer. A stage
+that does not own those layers sees them empty forever, so after the first step its positions restart
+at 0 and its masks are one step short — silently wrong decoding at PP >= 2.
+
+``StageCache`` is a ``DynamicCache`` laid out over all N layers with global indices (the model's own
+attention code indexes the cache by its global ``layer_idx``), where every layer outside
+``[start_layer, end_layer)`` is a ``DummyLayer``. transformers already skips dummy layers when it looks
+for "the first attention layer", "the first full-attention layer" or "the first sliding layer", so every
+size query lands on this stage's first owned layer of the right kind, and a forward that strays into a
+layer it does not own fails loudly (a dummy layer refuses updates). It also stores nothing for other
+stages' layers.
+
+``crop(max_length)`` keeps the first ``max_length`` positions (speculative rollback); a negative
+argument removes that many tokens (transformers 5.24's own ``crop`` convention).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers.cache_utils import DummyLayer, DynamicCache, DynamicSlidingWindowLayer
+
+__all__ = ["StageCache", "new_stage_cache"]
+
+
+class StageCache(DynamicCache):
+    """``DynamicCache`` for the layers ``[start_layer, end_layer)`` of one pipeline stage."""
+
+    def __init__(self, config: Any, start_layer: int, end_layer: int, record_past: bool = False) -> None:
+        super().__init__(config=config)
+        n = len(self.layers)
+        if not 0 <= start_layer < end_layer <= n:
+            raise ValueError(f"stage layers [{start_layer}, {end_layer}) are not inside the cache's {n} layers")
+        self.start_layer = start_layer
+        self.end_layer = end_layer
+        self.record_past = record_past
+        for idx in range(n):
+            if not start_layer <= idx < end_layer:
+                self.layers[idx] = DummyLayer()
+        if record_past:
+            # Sliding-window layers drop old tokens as they go; rollback beyond the window needs them kept
+            # until the next crop.
+            for layer in self.layers:
+                if isinstance(layer, DynamicSlidingWindowLayer):
+                    layer.activate_past_recording()
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` positions of every owned layer (``max_length < 0``: drop that many)."""
+        if max_length < 0:
+            super().crop(max_length)
+            return
+        length = self.get_seq_length()
+        if max_length > length:
+            raise ValueError(f"cannot crop the stage cache to {max_length} positions: it holds {length}")
+        if max_length == length and not self.record_past:
+            return  # nothing to drop; transformers' crop(0) would refuse on a full sliding window
+        super().crop(max_length - length)
+
+    def __repr__(self) -> str:
+        return f"StageCache(layers [{self.start_layer}, {self.end_layer}) of {len(self.layers)}, seq_length={self.get_seq_length()})"
+
+
+def new_stage_cache(model: Any, record_past: bool = False) -> StageCache:
+    """A cache for the stage ``model`` runs (after ``model.set_pipeline_stage(...)``).
+
+    ``record_past=True`` keeps sliding-window layers rollback-able past the window (call ``crop`` after
+    every verification step, as speculative decoding does).
+    """
+    config = model.config
+    get_text_config = getattr(config, "get_text_config", None)
+    if callable(get_text_config):
+        config = get_text_config(decoder=True)
+    return StageCache(config, model.start_layer, model.end_layer, record_past=record_past)
