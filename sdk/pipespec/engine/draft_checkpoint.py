@@ -229,6 +229,11 @@ def _canonical_name(name: str, fmt: DraftFormat) -> str:
     return "midlayer." + name[len(prefix):] if name.startswith(prefix) else name
 
 
+def _disk_name(name: str, fmt: DraftFormat) -> str:
+    """The name a canonical (``midlayer.*``) tensor has in a ``fmt`` checkpoint, for error messages."""
+    return _LAYER_PREFIX[fmt] + name[len("midlayer."):] if name.startswith("midlayer.") else name
+
+
 def _layer_config(raw: Mapping[str, Any], where: str) -> LlamaConfig:
     values = {k: raw[k] for k in _LAYER_KEYS if k in raw and raw[k] is not None}
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if k not in values]
@@ -303,8 +308,6 @@ def inspect_draft_checkpoint(
     # ---- tensors
     shapes_raw = _tensor_shapes(_weight_files(path))
     shapes = {_canonical_name(k, fmt): v for k, v in shapes_raw.items()}
-    prefix = _LAYER_PREFIX[fmt]
-
     fc = shapes.get("fc.weight")
     if fc is None:
         raise CheckpointError(f"{path}: missing tensor fc.weight (the k*H_t -> H projection of aux states)")
@@ -365,12 +368,13 @@ def inspect_draft_checkpoint(
     optional = {"embed_tokens.weight", "d2t", "t2d"}
     missing = [k for k in expected if k not in optional and k not in shapes]
     if missing:
-        shown = [prefix + k[len("midlayer."):] if k.startswith("midlayer.") else k for k in missing]
+        shown = [_disk_name(k, fmt) for k in missing]
         raise CheckpointError(f"{path}: missing tensors {shown} for a {FORMAT_NAMES[fmt]} draft")
     for key, shape in shapes.items():
-        if key in expected and key not in ("embed_tokens.weight",) and shape != expected[key]:
+        if key in expected and shape != expected[key]:
             raise CheckpointError(
-                f"{path}: tensor {key} has shape {list(shape)}, expected {list(expected[key])} from the config"
+                f"{path}: tensor {_disk_name(key, fmt)} has shape {list(shape)}, expected {list(expected[key])} "
+                "from the config (hidden_size, heads, head_dim, intermediate_size, vocab sizes)"
             )
     unexpected = sorted(k for k in shapes if k not in expected)
     if unexpected:
