@@ -1,0 +1,141 @@
+"""``pipespec generate``: EAGLE3 speculative decoding (greedy) with the target split over P processes.
+
+Starts P stage processes itself (gloo on CPU, NCCL with ``--device cuda``, one GPU per stage); the same
+flags run one stage per process under ``torchrun --nproc-per-node P -m pipespec.engine``. Output
+contract (DESIGN.md): ``--json`` prints ``{"output_ids", "num_steps", "mean_acceptance_length",
+"tokens_per_s", "aux_convention", "aux_layers", ...}``, or ``{"outputs": [...], ...}`` for
+``--prompts-file``. The aux convention in use is printed in every run (stderr) and in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pipespec.cli.args import int_list, positive_int
+from pipespec.errors import UsageError
+
+HELP = "run greedy EAGLE3 speculative decoding with the target split over P pipeline stages"
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, metavar="DIR", help="target checkpoint directory (HF, safetensors)")
+    parser.add_argument("--draft", metavar="DIR", help="EAGLE3 draft checkpoint (Format A or B); not needed with --num-spec-tokens 0")
+    parser.add_argument("--pp", type=positive_int, default=1, metavar="P", help="pipeline stages, one process each (default 1)")
+    parser.add_argument("--partition", type=int_list, metavar="C0,C1,...", help="layers per stage (default: vLLM's rule)")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="prompt text (needs a tokenizer in the target directory)")
+    src.add_argument("--prompt-ids", type=int_list, metavar="1,2,3", help="prompt token ids")
+    src.add_argument("--prompts-file", metavar="FILE",
+                     help='JSON lines, each {"prompt": ...} or {"prompt_ids": [...]}, optionally "max_new_tokens"')
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="M", help="new tokens per prompt (default 32)")
+    parser.add_argument("--num-spec-tokens", type=non_negative_int, default=3, metavar="K",
+                        help="draft tokens verified per step (default 3; 0 = plain pipeline decoding)")
+    parser.add_argument("--aux-convention", choices=("input", "output"),
+                        help="how to read the draft's aux ids (default: Format A output, Format B input)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per stage)")
+    parser.add_argument("--dtype", help="compute dtype (default float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                        help="seconds any stage waits on another before giving up (default 300)")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (format: DESIGN.md)")
+    parser.add_argument("--verbose", "-v", action="store_true", help="per-stage log lines on stderr")
+
+
+def job_from_args(args: argparse.Namespace) -> Any:
+    """The ``GenerateJob`` these flags describe (tokenizes text prompts)."""
+    from pipespec.engine.job import GenerateJob, build_requests
+
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout must be > 0, got {args.timeout}")
+    requests = build_requests(
+        args.target, prompt=args.prompt, prompt_ids=args.prompt_ids, prompts_file=args.prompts_file,
+        max_new_tokens=args.max_new_tokens,
+    )
+    return GenerateJob(
+        target=args.target, draft=args.draft, pp=args.pp,
+        partition=tuple(args.partition) if args.partition is not None else None,
+        requests=requests, num_spec_tokens=args.num_spec_tokens, aux_convention=args.aux_convention,
+        device=args.device, dtype=args.dtype, timeout_s=args.timeout, verbose=args.verbose, ignore_eos=args.ignore_eos,
+    )
+
+
+def compose_output(job: Any, stage_results: list[dict[str, Any]], batch: bool) -> dict[str, Any]:
+    """Merge the stages' results into the JSON of DESIGN.md."""
+    from pipespec.engine.job import load_tokenizer
+
+    generation = dict(stage_results[-1]["generation"])
+    outputs = generation.pop("outputs")
+    tokenizer = load_tokenizer(job.target)
+    if tokenizer is not None:
+        for out in outputs:
+            out["text"] = tokenizer.decode(out["output_ids"])
+    head: dict[str, Any] = {"outputs": outputs} if batch else dict(outputs[0])
+    if batch:
+        head["num_steps"] = generation.pop("num_steps")
+    else:
+        generation.pop("num_steps")
+    head.update(generation)
+    head.update({
+        "pp": job.pp,
+        "num_spec_tokens": job.num_spec_tokens,
+        "device": job.device,
+        "stages": [r["stage"] for r in stage_results],
+    })
+    return head
+
+
+def print_result(result: dict[str, Any], as_json: bool, batch: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    outputs = result["outputs"] if batch else [result]
+    for i, out in enumerate(outputs):
+        label = f"[{i}] " if batch else ""
+        print(f"{label}output ids: {out['output_ids']}")
+        if "text" in out:
+            print(f"{label}text: {out['text']!r}")
+    print(
+        f"steps {result['num_steps']}, mean acceptance length {result['mean_acceptance_length']:.2f}, "
+        f"{result['tokens_per_s']:.1f} tokens/s, pp {result['pp']} partition {result['partition']}, k {result['num_spec_tokens']}"
+    )
+    for s in result["stages"]:
+        share = s["bytes_read"] / s["checkpoint_bytes"] if s["checkpoint_bytes"] else 0.0
+        print(f"  stage {s['rank']}: layers [{s['start_layer']}, {s['end_layer']}), read {s['bytes_read'] / 1e6:.2f} MB ({share:.0%} of the checkpoint)")
+
+
+def announce_convention(result: dict[str, Any]) -> None:
+    """The aux convention line every run prints (stderr, so --json stdout stays one object)."""
+    if result.get("aux_convention") is None:
+        print("pipespec: plain pipeline decoding (--num-spec-tokens 0): no draft, no aux states", file=sys.stderr)
+        return
+    print(
+        f"pipespec: aux convention {result['aux_convention']} ({result['aux_convention_source']}): "
+        f"draft ids {result['config_aux_layers']} -> aux layers {result['aux_layers']} (input-index)",
+        file=sys.stderr,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipespec.engine.worker import stage_main
+    from pipespec.pp.launch import run_stages
+
+    job = job_from_args(args)
+    results = run_stages(stage_main, job, job.pp, device_type=job.device, timeout_s=job.timeout_s, verbose=job.verbose)
+    batch = args.prompts_file is not None
+    result = compose_output(job, results, batch)
+    announce_convention(result)
+    print_result(result, args.json, batch)
+    return 0

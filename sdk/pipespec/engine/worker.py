@@ -1,0 +1,286 @@
+"""One stage process of ``pipespec generate``: load this stage, then run greedy EAGLE3 decoding in lockstep.
+
+Every stage runs the same loop over the same replicated state; only the last stage decides anything.
+
+Prefill (step 0): for each prompt ``x_0..x_{n-1}`` in order, stage 0 embeds it and runs its layers, each
+stage hands its packed ``IntermediateTensors`` to the next, and the last stage takes the greedy token
+``x_n`` from the final logits; the draft reads the aux states of all ``n`` positions paired with
+``x_1..x_n`` and proposes ``d_1..d_k``. One broadcast then tells every stage ``x_n`` and the drafts.
+
+Verify step: for each unfinished sequence with ``c`` tokens committed to its KV cache, the pipeline
+runs ``[x_n, d_1..d_k]`` at positions ``c..c+k``; the last stage's greedy predictions ``y_0..y_k``
+accept the longest prefix with ``d_j == y_{j-1}`` (``a`` drafts) plus the bonus token ``y_a``; the draft
+reads the aux states of those ``a + 1`` positions paired with ``d_1..d_a, y_a`` and proposes the next k.
+One broadcast per step carries, for every sequence, ``a``, the tokens and the drafts; every stage crops
+its KV cache to ``c + a + 1`` (dropping the rejected positions) and updates its copy of the state.
+
+``k = 0`` is plain pipeline-parallel decoding: one token per step, no draft. Every sequence has its own
+KV caches, so sequences in one batch accept different numbers of drafts without padding; sequences go
+through the pipeline one after the other, so stage ``s`` works on sequence ``i + 1`` while stage
+``s + 1`` works on sequence ``i``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pipespec.embed import spec_decode_needs_target_embed
+from pipespec.engine import step as stepmsg
+from pipespec.engine.job import GenerateJob, Request
+from pipespec.engine.target import TargetStage, build_target_stage, resolve_target
+from pipespec.errors import UsageError
+from pipespec.pp.launch import StageContext
+from pipespec.pp.loading import dtype_from_name
+from pipespec.pp.transport import HopReceiver, HopSender, StepBroadcaster
+
+
+@dataclass
+class SeqState:
+    """One sequence as every stage sees it (kept identical on all stages by the step broadcast)."""
+
+    request: Request
+    committed: int = 0
+    pending: int = -1
+    drafts: list[int] = field(default_factory=list)
+    done: bool = False
+    output: list[int] = field(default_factory=list)
+    acceptance: list[int] = field(default_factory=list)
+    cache: Any = None
+    draft_cache: Any = None
+
+
+def eos_token_ids(target_dir: str, config: Any) -> frozenset[int]:
+    """The EOS ids ``generate`` would stop on: generation_config.json, else the model config."""
+    from transformers import GenerationConfig
+
+    try:
+        gen = GenerationConfig.from_pretrained(target_dir, local_files_only=True)
+    except Exception:  # noqa: BLE001 - no generation_config.json: fall back to the model config
+        gen = GenerationConfig.from_model_config(config)
+    eos = gen.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else [int(i) for i in eos])
+
+
+class StageRunner:
+    """The decoding loop of one stage (see the module docstring)."""
+
+    def __init__(self, ctx: StageContext, job: GenerateJob, target: TargetStage, draft: Any, eos: frozenset[int]) -> None:
+        self.ctx, self.job, self.target, self.draft = ctx, job, target, draft
+        self.k = job.num_spec_tokens
+        self.eos = eos
+        self.seqs = [SeqState(r) for r in job.requests]
+        longest = max(len(r.prompt_ids) for r in job.requests)
+        max_tokens = max(longest, self.k + 1)
+        hidden, dtype = target.hidden_size, target.dtype
+        self.sender = (
+            HopSender(ctx, target.send_keys(), hidden, dtype, ctx.rank + 1, (1, max_tokens)) if not ctx.is_last else None
+        )
+        self.receiver = (
+            HopReceiver(ctx, target.receive_keys(), hidden, dtype, ctx.rank - 1, (1, max_tokens)) if not ctx.is_first else None
+        )
+        self.broadcaster = StepBroadcaster(ctx, stepmsg.message_size(len(self.seqs), self.k), ctx.world_size - 1)
+        self.step = 0
+
+    # ------------------------------------------------------------------------------ one forward
+    def _forward(self, seq: SeqState, tokens: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        device = self.ctx.device
+        positions = torch.arange(seq.committed, seq.committed + len(tokens), device=device).unsqueeze(0)
+        if self.ctx.is_first:
+            ids = torch.tensor([tokens], dtype=torch.long, device=device)
+            out = self.target.forward(seq.cache, positions, input_ids=ids)
+        else:
+            assert self.receiver is not None
+            received = self.receiver.recv((1, len(tokens)))
+            out = self.target.forward(seq.cache, positions, received=received)
+        if self.sender is not None:
+            assert not isinstance(out, tuple)
+            self.sender.send(out)
+            return None
+        assert isinstance(out, tuple)
+        return out
+
+    def _cut(self, seq: SeqState, produced: list[int]) -> tuple[int, bool]:
+        """How many produced tokens to keep (EOS, budget) and whether the sequence is finished."""
+        room = seq.request.max_new_tokens - len(seq.output)
+        kept = min(len(produced), room)
+        for i, tok in enumerate(produced[:kept]):
+            if tok in self.eos:
+                return i + 1, True
+        return kept, len(seq.output) + kept >= seq.request.max_new_tokens
+
+    def _propose(self, seq: SeqState, aux: list[torch.Tensor], next_ids: list[int]) -> list[int]:
+        ids = torch.tensor([next_ids], dtype=torch.long, device=self.ctx.device)
+        drafts = self.draft.propose(aux, ids, seq.draft_cache, num_tokens=self.k)
+        return [int(t) for t in drafts[0].tolist()]
+
+    # ------------------------------------------------------------------------------ the steps
+    def _prefill_one(self, seq: SeqState) -> stepmsg.SeqUpdate | None:
+        prompt = list(seq.request.prompt_ids)
+        out = self._forward(seq, prompt)
+        if out is None:
+            return None
+        logits, aux = out
+        first = int(logits[0, -1].argmax())
+        kept, done = self._cut(seq, [first])
+        drafts = self._propose(seq, aux, prompt[1:] + [first]) if self.k and not done else []
+        return stepmsg.SeqUpdate(ran=True, done=done, accepted=0, tokens=[first], kept=kept, drafts=drafts)
+
+    def _verify_one(self, seq: SeqState) -> stepmsg.SeqUpdate | None:
+        out = self._forward(seq, [seq.pending, *seq.drafts])
+        if out is None:
+            return None
+        logits, aux = out
+        predicted = logits[0].argmax(dim=-1).tolist()
+        accepted = 0
+        while accepted < self.k and seq.drafts[accepted] == predicted[accepted]:
+            accepted += 1
+        produced = seq.drafts[:accepted] + [int(predicted[accepted])]
+        kept, done = self._cut(seq, produced)
+        drafts = []
+        if self.k and not done:
+            drafts = self._propose(seq, [a[:, : accepted + 1] for a in aux], produced)
+        return stepmsg.SeqUpdate(ran=True, done=done, accepted=accepted, tokens=produced, kept=kept, drafts=drafts)
+
+    def _apply(self, updates: list[stepmsg.SeqUpdate]) -> None:
+        for seq, u in zip(self.seqs, updates):
+            if not u.ran:
+                continue
+            if self.step == 0:
+                seq.committed = len(seq.request.prompt_ids)
+            else:
+                seq.committed += u.accepted + 1
+                seq.acceptance.append(u.accepted + 1)
+            seq.output.extend(u.tokens[: u.kept])
+            seq.pending = u.tokens[-1]
+            seq.drafts = list(u.drafts)
+            seq.done = u.done
+            if seq.done:
+                seq.cache = seq.draft_cache = None  # free the KV memory of finished sequences
+            elif self.step > 0:
+                seq.cache.crop(seq.committed)
+
+    def run_step(self) -> None:
+        updates = [stepmsg.SeqUpdate() for _ in self.seqs]
+        for i, seq in enumerate(self.seqs):
+            if seq.done:
+                continue
+            if self.step == 0:
+                seq.cache = self.target.new_cache()
+                if self.ctx.is_last and self.k:
+                    seq.draft_cache = self.draft.new_cache(1, capacity=len(seq.request.prompt_ids) + seq.request.max_new_tokens + self.k + 1)
+            update = self._prefill_one(seq) if self.step == 0 else self._verify_one(seq)
+            if update is not None:
+                updates[i] = update
+        message = stepmsg.encode(self.step, updates, self.k) if self.ctx.is_last else None
+        received = self.broadcaster.broadcast(message)
+        self._apply(stepmsg.decode(received, self.step, len(self.seqs), self.k))
+        self.step += 1
+
+    def run(self) -> float:
+        """Decode every sequence to completion; the wall time in seconds."""
+        started = time.perf_counter()
+        with torch.inference_mode():
+            while not all(s.done for s in self.seqs):
+                self.run_step()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        return time.perf_counter() - started
+
+
+def _mean(values: list[int]) -> float:
+    return round(sum(values) / len(values), 4) if values else 0.0
+
+
+def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
+    """Everything one stage does; returns its stats, plus the outputs on the last stage."""
+    from pipespec.engine.draft_checkpoint import TargetInfo, inspect_draft_checkpoint, load_draft_checkpoint
+
+    if job.pp != ctx.world_size:
+        raise UsageError(f"--pp {job.pp} does not match the {ctx.world_size} processes started")
+    if ctx.device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+    dtype = dtype_from_name(job.dtype) if job.dtype else (torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)
+    k = job.num_spec_tokens
+    resolved = resolve_target(job.target)
+    target_info = TargetInfo.from_config(resolved.config)
+    vocab = target_info.vocab_size
+    for r in job.requests:
+        bad = [i for i in r.prompt_ids if i >= vocab]
+        if bad:
+            raise UsageError(f"prompt token id {bad[0]} is outside the target vocabulary (size {vocab})")
+
+    info = None
+    aux_layers: tuple[int, ...] = ()
+    if k > 0:
+        if not job.draft:
+            raise UsageError("--num-spec-tokens > 0 needs --draft DIR (or use --num-spec-tokens 0 for plain decoding)")
+        info = inspect_draft_checkpoint(job.draft, target_info, job.aux_convention)  # type: ignore[arg-type]
+        aux_layers = info.aux_layers
+        if ctx.is_last:
+            for warning in info.warnings:
+                ctx.log(f"warning: {warning}", always=True)
+    embed_on_last = bool(info and not info.has_embedding and spec_decode_needs_target_embed(job.method, ctx.world_size, ctx.is_last))
+    target = build_target_stage(
+        job.target, ctx.rank, ctx.world_size, partition=job.partition, aux_layers=aux_layers, device=ctx.device,
+        dtype=dtype, embed_on_last=embed_on_last, method=job.method, resolved=resolved,
+    )
+    stage = target.stage
+    load = target.load
+    share = load.bytes_read / load.checkpoint_bytes if load.checkpoint_bytes else 0.0
+    ctx.log(
+        f"layers [{stage.start_layer}, {stage.end_layer}): read {load.tensors_read} tensors, "
+        f"{load.bytes_read / 1e6:.2f} MB of {load.checkpoint_bytes / 1e6:.2f} MB ({share:.0%}) in {load.seconds:.2f} s",
+        always=job.verbose,
+    )
+    draft = None
+    draft_stats: dict[str, Any] = {}
+    if ctx.is_last and k > 0:
+        assert job.draft is not None
+        loaded = load_draft_checkpoint(
+            job.draft, target_info, aux_convention=job.aux_convention,  # type: ignore[arg-type]
+            dtype=dtype, device=ctx.device, target_embed=target.embed,
+        )
+        draft = loaded.model
+        draft_stats = {"draft_format": loaded.info.format, "draft_embedding": loaded.embedding, "draft_bytes_read": loaded.bytes_read}
+
+    eos = frozenset() if job.ignore_eos else eos_token_ids(job.target, resolved.config)
+    runner = StageRunner(ctx, job, target, draft, eos)
+    elapsed = runner.run()
+
+    stats = {"rank": ctx.rank, "start_layer": stage.start_layer, "end_layer": stage.end_layer, **load.to_json_dict(),
+             "messages_sent": runner.sender.messages if runner.sender else 0,
+             "bytes_sent": runner.sender.bytes_sent if runner.sender else 0}
+    result: dict[str, Any] = {"stage": stats}
+    if not ctx.is_last:
+        return result
+    outputs = [
+        {"output_ids": s.output, "num_steps": len(s.acceptance), "mean_acceptance_length": _mean(s.acceptance),
+         "acceptance_lengths": s.acceptance}
+        for s in runner.seqs
+    ]
+    all_acceptance = [a for s in runner.seqs for a in s.acceptance]
+    new_tokens = sum(len(s.output) for s in runner.seqs)
+    result["generation"] = {
+        "outputs": outputs,
+        "num_steps": runner.step - 1,
+        "mean_acceptance_length": _mean(all_acceptance),
+        "num_new_tokens": new_tokens,
+        "elapsed_s": round(elapsed, 4),
+        "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 else 0.0,
+        "aux_layers": list(aux_layers),
+        "aux_convention": info.aux_convention if info else None,
+        "aux_convention_source": info.aux_convention_source if info else None,
+        "config_aux_layers": list(info.config_aux_layers) if info and info.config_aux_layers is not None else None,
+        "partition": list(target.plan.partition),
+        "dtype": str(dtype).removeprefix("torch."),
+        "eos_token_ids": sorted(eos),
+        **draft_stats,
+    }
+    return result
