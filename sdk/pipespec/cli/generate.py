@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
                         help="seconds any stage waits on another before giving up (default 300)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
+    parser.add_argument("--trace", action="store_true",
+                        help="add each output's draft_trace (the k drafts every verify step checked) to the JSON")
     parser.add_argument("--json", action="store_true", help="print one JSON object (format: DESIGN.md)")
     parser.add_argument("--verbose", "-v", action="store_true", help="per-stage log lines on stderr")
 
@@ -69,6 +71,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
         partition=tuple(args.partition) if args.partition is not None else None,
         requests=requests, num_spec_tokens=args.num_spec_tokens, aux_convention=args.aux_convention,
         device=args.device, dtype=args.dtype, timeout_s=args.timeout, verbose=args.verbose, ignore_eos=args.ignore_eos,
+        trace=args.trace,
     )
 
 
@@ -129,10 +132,11 @@ def announce_convention(result: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipespec.engine.worker import stage_main
+    from pipespec.engine.worker import check_job, stage_main
     from pipespec.pp.launch import run_stages
 
     job = job_from_args(args)
+    check_job(job)
     results = run_stages(stage_main, job, job.pp, device_type=job.device, timeout_s=job.timeout_s, verbose=job.verbose)
     batch = args.prompts_file is not None
     result = compose_output(job, results, batch)

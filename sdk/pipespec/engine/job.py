@@ -40,6 +40,7 @@ class GenerateJob:
     verbose: bool = False
     method: str = "eagle3"
     ignore_eos: bool = False
+    trace: bool = False
 
 
 def _tokenizer(target_dir: str) -> Any:

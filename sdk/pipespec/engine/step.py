@@ -85,6 +85,6 @@ def decode(message: torch.Tensor, expected_step: int, num_sequences: int, k: int
         drafts = values[base + 4 + k : base + 4 + 2 * k]
         updates.append(SeqUpdate(
             ran=ran, done=bool(flags & DONE), accepted=accepted, tokens=tokens, kept=kept,
-            drafts=[] if (flags & DONE) or k == 0 else drafts,
+            drafts=drafts if ran and not flags & DONE and k > 0 else [],
         ))
     return updates

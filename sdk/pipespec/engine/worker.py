@@ -50,6 +50,7 @@ class SeqState:
     done: bool = False
     output: list[int] = field(default_factory=list)
     acceptance: list[int] = field(default_factory=list)
+    trace: list[list[int]] = field(default_factory=list)  # the drafts each verify step checked
     cache: Any = None
     draft_cache: Any = None
 
@@ -157,6 +158,7 @@ class StageRunner:
             else:
                 seq.committed += u.accepted + 1
                 seq.acceptance.append(u.accepted + 1)
+                seq.trace.append(list(seq.drafts))
             seq.output.extend(u.tokens[: u.kept])
             seq.pending = u.tokens[-1]
             seq.drafts = list(u.drafts)
@@ -198,16 +200,20 @@ def _mean(values: list[int]) -> float:
     return round(sum(values) / len(values), 4) if values else 0.0
 
 
-def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
-    """Everything one stage does; returns its stats, plus the outputs on the last stage."""
-    from pipespec.engine.draft_checkpoint import TargetInfo, inspect_draft_checkpoint, load_draft_checkpoint
+@dataclass
+class Prepared:
+    """What every stage (and the launcher's pre-check) knows before reading any weight."""
 
-    if job.pp != ctx.world_size:
-        raise UsageError(f"--pp {job.pp} does not match the {ctx.world_size} processes started")
-    if ctx.device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
-    dtype = dtype_from_name(job.dtype) if job.dtype else (torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)
-    k = job.num_spec_tokens
+    resolved: Any
+    target_info: Any
+    draft_info: Any
+    aux_layers: tuple[int, ...]
+
+
+def prepare(job: GenerateJob) -> Prepared:
+    """Config, draft config and request checks: JSON and tensor headers only, no weights."""
+    from pipespec.engine.draft_checkpoint import TargetInfo, inspect_draft_checkpoint
+
     resolved = resolve_target(job.target)
     target_info = TargetInfo.from_config(resolved.config)
     vocab = target_info.vocab_size
@@ -215,17 +221,42 @@ def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
         bad = [i for i in r.prompt_ids if i >= vocab]
         if bad:
             raise UsageError(f"prompt token id {bad[0]} is outside the target vocabulary (size {vocab})")
-
     info = None
     aux_layers: tuple[int, ...] = ()
-    if k > 0:
+    if job.num_spec_tokens > 0:
         if not job.draft:
             raise UsageError("--num-spec-tokens > 0 needs --draft DIR (or use --num-spec-tokens 0 for plain decoding)")
         info = inspect_draft_checkpoint(job.draft, target_info, job.aux_convention)  # type: ignore[arg-type]
         aux_layers = info.aux_layers
-        if ctx.is_last:
-            for warning in info.warnings:
-                ctx.log(f"warning: {warning}", always=True)
+    return Prepared(resolved, target_info, info, aux_layers)
+
+
+def check_job(job: GenerateJob) -> Any:
+    """The launcher's pre-check: refuse an unsupported model, bad draft or impossible layout before
+    starting any stage process (each stage repeats these checks itself). Returns the layout plan."""
+    from pipespec.adapt import adapt
+    from pipespec.engine.target import plan_target
+
+    prepared = prepare(job)
+    adapted = adapt(prepared.resolved.decoder_cls, prepared.resolved.spec)
+    return plan_target(prepared.resolved, adapted, job.pp, job.partition, prepared.aux_layers, job.method)
+
+
+def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
+    """Everything one stage does; returns its stats, plus the outputs on the last stage."""
+    from pipespec.engine.draft_checkpoint import load_draft_checkpoint
+
+    if job.pp != ctx.world_size:
+        raise UsageError(f"--pp {job.pp} does not match the {ctx.world_size} processes started")
+    if ctx.device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+    dtype = dtype_from_name(job.dtype) if job.dtype else (torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)
+    k = job.num_spec_tokens
+    prepared = prepare(job)
+    resolved, target_info, info, aux_layers = prepared.resolved, prepared.target_info, prepared.draft_info, prepared.aux_layers
+    if info is not None and ctx.is_last:
+        for warning in info.warnings:
+            ctx.log(f"warning: {warning}", always=True)
     embed_on_last = bool(info and not info.has_embedding and spec_decode_needs_target_embed(job.method, ctx.world_size, ctx.is_last))
     target = build_target_stage(
         job.target, ctx.rank, ctx.world_size, partition=job.partition, aux_layers=aux_layers, device=ctx.device,
@@ -262,7 +293,7 @@ def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
         return result
     outputs = [
         {"output_ids": s.output, "num_steps": len(s.acceptance), "mean_acceptance_length": _mean(s.acceptance),
-         "acceptance_lengths": s.acceptance}
+         "acceptance_lengths": s.acceptance, **({"draft_trace": s.trace} if job.trace else {})}
         for s in runner.seqs
     ]
     all_acceptance = [a for s in runner.seqs for a in s.acceptance]
