@@ -32,6 +32,7 @@ parses source: it never imports or executes the code it transforms.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import libcst as cst
@@ -42,8 +43,11 @@ from libcst.metadata import PositionProvider
 
 from pipespec.spec import AdapterSpec
 
+GENERATOR = "adapt_vllm_forward"
+GENERATOR_VERSION = 1
 ALREADY_ADAPTED = "already adapted"
 MARKER = "supports_aux_hidden_states_over_pp"
+MARKER_ATTR = "pipespec_generated_by"  # same attribute the HF codemod writes: generator, version, source, spec
 MIXIN_MODULE, MIXIN = "pipespec.mixin", "AuxHiddenStatesMixin"
 AUX, REMOTE = "aux_hidden_states", "remote_aux_hidden_states"
 # Attributes the mixin owns as read-only properties: source that assigns them cannot keep doing so.
@@ -65,6 +69,11 @@ _ENUMERATE = m.Call(func=m.Name("enumerate"), args=[m.Arg(_STAGE_LAYERS, keyword
 _RANGE = m.Call(func=m.Name("range"), args=[m.Arg(_START), m.Arg(_END)])
 _GET_PP_GROUP = m.Call(func=m.Name("get_pp_group"), args=[])
 _MARKER_LINE = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(MARKER))])])
+
+
+def marker_text(source: str, spec: AdapterSpec | None) -> str:
+    """The ``pipespec_generated_by`` value: generator and version, source class, spec."""
+    return f"{GENERATOR} v{GENERATOR_VERSION}; source {source}; spec {spec.name if spec else 'detected from source'}"
 
 
 def class_is_marked(node: cst.ClassDef) -> bool:
@@ -198,10 +207,13 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
     DESCRIPTION = "Make a vLLM-style decoder stack capture, relay and collect aux hidden states over pipeline parallelism."
     METADATA_DEPENDENCIES = (PositionProvider,)
 
-    def __init__(self, context: CodemodContext, class_name: str, spec: AdapterSpec | None = None) -> None:
+    def __init__(
+        self, context: CodemodContext, class_name: str, spec: AdapterSpec | None = None, source: str | None = None
+    ) -> None:
         super().__init__(context)
         self.class_name = class_name
         self.spec = spec
+        self.source = source or f"{context.full_module_name or context.filename or '<source>'}:{class_name}"
         self.found = False
         self.pp_group_modules: list[str] = []
 
@@ -238,6 +250,11 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
         cls = original_node
         if class_is_marked(cls):
             raise SkipFile(f"{ALREADY_ADAPTED}: {self.class_name} carries {MARKER} = True")
+        if self.spec is not None and self.spec.dialect != "vllm":
+            raise self._skip(cls, f"spec {self.spec.name} ({self.spec.source}) is for the {self.spec.dialect} dialect, "
+                                  "not vLLM-style model code")
+        if self.spec is not None and not self.spec.supported:
+            raise self._skip(cls, f"spec {self.spec.name} ({self.spec.source}) marks it unsupported: {self.spec.reason}")
         if any(m.matches(a.value, m.Name(MIXIN) | m.Attribute(attr=m.Name(MIXIN))) for a in cls.bases):
             raise self._skip(cls, f"inherits {MIXIN} but has no `{MARKER} = True`: hand-adapted? "
                                   "add the marker once its forward collects and packs aux states")
@@ -259,7 +276,8 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
                 self._refuse_mixin_writes(stmt, class_level=True)
                 body.append(stmt)
         markers = [f"{MARKER} = True  # pipespec: this class's own forward handles aux hidden states\n",
-                   f"pipespec_has_residual = {residual}\n"]
+                   f"pipespec_has_residual = {residual}\n",
+                   f"{MARKER_ATTR} = {json.dumps(marker_text(self.source, self.spec))}\n"]
         if self.spec is not None and self.spec.num_layers_key != "num_hidden_layers":
             markers.append(f"pipespec_num_layers_key = {self.spec.num_layers_key!r}\n")
         at = 1 if body and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])) else 0

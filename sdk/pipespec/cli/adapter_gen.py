@@ -1,0 +1,205 @@
+"""``adapter-gen`` (also ``pipespec adapter-gen``): adapt a model source file, or scaffold a new adapter.
+
+    adapter-gen FILE --class NAME [--dialect hf|vllm] [--spec FILE] [--diff | --out FILE | --in-place | --check]
+    adapter-gen --hf MODEL_TYPE [--class NAME] [--spec FILE] [--diff | --out FILE | --check]
+    adapter-gen new MODEL_TYPE [--out-dir DIR] [--force]
+
+Modes: ``--diff`` (default) prints a unified diff and writes nothing; ``--out FILE`` writes the adapted
+module there; ``--in-place`` rewrites FILE; ``--check`` exits 1 when FILE (or, with ``--out``, the
+generated OUT) is not up to date. Exit codes: 0 ok, 1 check failed or class skipped (its shape is not
+understood: the reason is printed), 2 usage error (one line naming the flag, file or value, and the fix).
+Writes are atomic: a temp file next to the target, then ``os.replace``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipespec.errors import UsageError
+from pipespec.spec import DIALECTS
+
+HELP = "adapt a model's forward for aux hidden states over PP (vLLM-style or HF code), or scaffold a new adapter"
+PROG = "adapter-gen"
+USAGE = (
+    "adapter-gen FILE --class NAME [--dialect {hf,vllm}] [--spec FILE] [--diff | --out FILE | --in-place | --check]\n"
+    "       adapter-gen --hf MODEL_TYPE [--class NAME] [--spec FILE] [--diff | --out FILE | --check]\n"
+    "       adapter-gen new MODEL_TYPE [--out-dir DIR] [--force]"
+)
+EPILOG = "exit codes: 0 ok; 1 --check found the file out of date, or the class was skipped; 2 usage error"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.usage = USAGE
+    parser.epilog = EPILOG
+    parser.add_argument("target", nargs="*", metavar="FILE | new MODEL_TYPE", help="model source file, or `new MODEL_TYPE`")
+    parser.add_argument("--class", dest="class_name", metavar="NAME", help="the decoder-stack class to adapt")
+    parser.add_argument("--hf", metavar="MODEL_TYPE", help="adapt the installed transformers modeling module of MODEL_TYPE")
+    parser.add_argument("--dialect", choices=DIALECTS, help="source dialect (default: detected from the forward signature)")
+    parser.add_argument("--spec", metavar="FILE", help="adapter spec TOML (default: registry lookup, else inferred)")
+    parser.add_argument("--diff", action="store_true", help="print a unified diff, write nothing (the default)")
+    parser.add_argument("--out", metavar="FILE", help="write the adapted module to FILE")
+    parser.add_argument("--in-place", action="store_true", help="rewrite FILE itself")
+    parser.add_argument("--check", action="store_true", help="exit 1 if FILE (or --out FILE) is not up to date")
+    parser.add_argument("--out-dir", metavar="DIR", help="`new`: where adapters/ and tests/ are written (default: .)")
+    parser.add_argument("--force", action="store_true", help="`new`: write even if the type already has a spec")
+
+
+def _conflict(a: str, b: str, fix: str) -> UsageError:
+    return UsageError(f"{a} cannot be combined with {b}: {fix}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.target and args.target[0] == "new":
+        return _run_new(args)
+    for flag, value in (("--out-dir", args.out_dir), ("--force", args.force)):
+        if value:
+            raise UsageError(f"{flag} only applies to `adapter-gen new MODEL_TYPE`")
+    return _run_adapt(args)
+
+
+# ------------------------------------------------------------------------------------ adapt
+def _run_adapt(args: argparse.Namespace) -> int:
+    from pipespec import codegen
+
+    modes = [f for f, on in (("--diff", args.diff), ("--in-place", args.in_place), ("--check", args.check)) if on]
+    if len(modes) > 1:
+        raise _conflict(modes[0], modes[1], "choose one mode (--diff, --out FILE, --in-place or --check)")
+    if args.out is not None and modes and modes[0] != "--check":
+        raise _conflict("--out", modes[0], "choose one mode (--diff, --out FILE, --in-place or --check [--out FILE])")
+    if args.hf is not None:
+        if args.target:
+            raise _conflict("--hf", f"a source file ({args.target[0]})", "give either FILE --class NAME or --hf MODEL_TYPE")
+        if args.in_place:
+            raise UsageError("--in-place with --hf would rewrite the installed transformers: use --out FILE")
+        if args.dialect == "vllm":
+            raise UsageError("--dialect vllm with --hf: installed transformers modules are the hf dialect")
+        target = codegen.load_hf_target(args.hf, args.class_name)
+        dialect = "hf"
+    else:
+        if not args.target:
+            raise UsageError("no source file: give FILE --class NAME, --hf MODEL_TYPE, or `new MODEL_TYPE` (see --help)")
+        if len(args.target) > 1:
+            raise UsageError(f"one source file at a time, got {len(args.target)}: {' '.join(args.target)}")
+        if not args.class_name:
+            raise UsageError(f"{args.target[0]}: --class NAME is required (the decoder-stack class to adapt)")
+        target = codegen.load_target(args.target[0], args.class_name)
+        dialect = args.dialect or codegen.detect_dialect(codegen.find_class(target.module, target.class_name, target.label))
+    spec = codegen.resolve_spec(target, dialect, args.spec)
+    if spec is not None and spec.dialect != dialect:
+        print(f"{PROG}: warning: spec {spec.name} ({spec.source}) is for the {spec.dialect} dialect; "
+              f"the source is adapted as {dialect}", file=sys.stderr)
+    write_to = Path(args.out) if args.out else (target.path if args.in_place else None)
+    outcome = codegen.adapt_target(target, dialect, spec, regenerate=_regenerate_command(args, target))
+    for warning in outcome.warnings:
+        print(f"{PROG}: warning: {target.label}: {warning}", file=sys.stderr)
+
+    if outcome.status == "skipped":
+        print(f"{PROG}: skipped {target.label}: {outcome.reason}", file=sys.stderr)
+        return 1
+    if args.check:
+        return _check(args, target, outcome)
+    if outcome.status == "unchanged":
+        print(f"{PROG}: {target.label}: {outcome.reason}; nothing to do", file=sys.stderr)
+        if write_to is None or write_to == target.path:
+            return 0
+    if write_to is None:
+        sys.stdout.write(codegen.unified_diff(target.code, outcome.code, f"a/{target.label.split(' ')[0]}",
+                                              f"b/{target.label.split(' ')[0]}"))
+        return 0
+    codegen.write_atomic(write_to, outcome.code)
+    print(f"{PROG}: wrote {write_to} ({target.class_name}, {outcome.dialect} dialect, spec {outcome.spec_label})",
+          file=sys.stderr)
+    return 0
+
+
+def _check(args: argparse.Namespace, target: object, outcome: object) -> int:
+    from pipespec import codegen
+
+    assert isinstance(target, codegen.Target) and isinstance(outcome, codegen.Outcome)
+    if args.out is None:
+        if outcome.status == "unchanged":
+            return 0
+        sys.stdout.write(codegen.unified_diff(target.code, outcome.code, f"a/{target.label}", f"b/{target.label}"))
+        print(f"{PROG}: {target.label}: {target.class_name} is not adapted; run `{_regenerate_command(args, target, '--in-place')}`",
+              file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    if not out.exists():
+        print(f"{PROG}: {args.out} does not exist; create it with `{_regenerate_command(args, target)}`", file=sys.stderr)
+        return 1
+    current = codegen.read_text(out, "--out file")
+    if current == outcome.code:
+        return 0
+    sys.stdout.write(codegen.unified_diff(current, outcome.code, f"a/{args.out}", f"b/{args.out} (regenerated)"))
+    print(f"{PROG}: {args.out} is not up to date with {target.label}; regenerate it with `{_regenerate_command(args, target)}`",
+          file=sys.stderr)
+    return 1
+
+
+def _regenerate_command(args: argparse.Namespace, target: object, mode: str | None = None) -> str:
+    """The command line that reproduces this output, written into the header (stable across cwd)."""
+    from pipespec import codegen
+
+    assert isinstance(target, codegen.Target)
+    words = ["adapter-gen"]
+    if args.hf is not None:
+        words += ["--hf", args.hf]
+        if args.class_name:
+            words += ["--class", args.class_name]
+    else:
+        words += [target.label, "--class", target.class_name]
+    if args.dialect and args.hf is None:
+        words += ["--dialect", args.dialect]
+    if args.spec:
+        words += ["--spec", codegen.project_label(Path(args.spec))]
+    if mode is not None:
+        words.append(mode)
+    elif args.out is not None:
+        words += ["--out", codegen.project_label(Path(args.out))]
+    else:
+        words.append("--in-place" if args.hf is None else "--out FILE")
+    return " ".join(shlex.quote(w) if w != "--out FILE" else w for w in words)
+
+
+# ------------------------------------------------------------------------------------ new
+def _run_new(args: argparse.Namespace) -> int:
+    from pipespec import codegen
+
+    for flag, value in (("--class", args.class_name), ("--hf", args.hf), ("--dialect", args.dialect),
+                        ("--spec", args.spec), ("--out", args.out), ("--diff", args.diff),
+                        ("--in-place", args.in_place), ("--check", args.check)):
+        if value:
+            raise UsageError(f"{flag} does not apply to `adapter-gen new MODEL_TYPE` (it takes --out-dir DIR and --force)")
+    if len(args.target) != 2:
+        raise UsageError("`adapter-gen new` takes exactly one MODEL_TYPE, e.g. `adapter-gen new olmo2`")
+    result = codegen.scaffold_adapter(args.target[1], Path(args.out_dir or "."), force=args.force)
+    for warning in result.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
+    for path in result.written:
+        print(f"wrote {path}")
+    print(f"next: pytest -q {result.test_path}")
+    print(f"      {result.verify_command}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------ console script
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from pipespec.cli import run_command
+
+    parser = _Parser(prog=PROG, description=HELP)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_command(run, args, prog=PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
