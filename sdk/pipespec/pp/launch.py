@@ -45,7 +45,13 @@ import torch.distributed as dist
 from pipespec.errors import PipespecError, UsageError
 
 START_METHOD_ENV = "PIPESPEC_START_METHOD"
-PRELOAD = ["torch", "torch.distributed", "safetensors", "transformers", "pipespec.engine.worker"]
+# Imported once by the forkserver, before any stage forks from it: the heavy, model-independent part of
+# what a stage imports (torch, transformers' modeling machinery, libcst for pipespec.adapt, the draft).
+PRELOAD = [
+    "torch", "torch.distributed", "safetensors", "transformers", "transformers.modeling_utils",
+    "transformers.models.auto.modeling_auto", "libcst",
+    "pipespec.engine.worker", "pipespec.engine.draft_checkpoint", "pipespec.adapt", "pipespec.stage_cache",
+]
 WATCHDOG_GRACE_S = 30.0
 # After the first failure, how long to wait for a more telling report from another stage.
 ROOT_CAUSE_GRACE_S = 3.0
