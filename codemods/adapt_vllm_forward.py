@@ -215,7 +215,6 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
         self.spec = spec
         self.source = source or f"{context.full_module_name or context.filename or '<source>'}:{class_name}"
         self.found = False
-        self.pp_group_modules: list[str] = []
 
     # ------------------------------------------------------------------ helpers
     def _line(self, node: cst.CSTNode) -> int:
@@ -225,19 +224,11 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
         return SkipFile(f"{self.class_name} (line {self._line(node)}): {reason}")
 
     # ------------------------------------------------------------------ module
-    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
-        if node.module is not None and not isinstance(node.names, cst.ImportStar):
-            if any(alias.evaluated_name == "get_pp_group" for alias in node.names):
-                self.pp_group_modules.append(get_full_name_for_node(node.module) or "")
-
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
         if not self.found:
             classes = [s.name.value for s in original_node.body if isinstance(s, cst.ClassDef)]
             raise SkipFile(f"no top-level class {self.class_name!r}; classes here: {', '.join(classes) or 'none'}")
-        for module in self.pp_group_modules:
-            if module:
-                self.remove_unused_import(module, "get_pp_group")
-        return _add_mixin_import(updated_node)
+        return _add_mixin_import(_drop_unused_import(updated_node, "get_pp_group"))
 
     # ------------------------------------------------------------------ class
     def visit_ClassDef(self, node: cst.ClassDef) -> bool:
@@ -283,7 +274,10 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
         at = 1 if body and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])) else 0
         if at < len(body) and not body[at].leading_lines:
             body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
-        body[at:at] = [cst.parse_statement(text) for text in markers]
+        lines = [cst.parse_statement(text) for text in markers]
+        if at:  # a blank line between the class docstring and the markers
+            lines[0] = lines[0].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+        body[at:at] = lines
         bases = [cst.Arg(cst.Name(MIXIN), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))), *cls.bases]
         if not cls.bases:
             bases = [cst.Arg(cst.Name(MIXIN))]
@@ -384,9 +378,11 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
                      new_loop, *stmts[loop_at + 1:]]
         rewritten = fn.with_changes(body=fn.body.with_changes(body=new_stmts)).visit(
             _RewriteForward(nonlast, last, cst.parse_expression(f"{REMOTE} + {AUX}"), "intermediate_tensors"))
-        for check in m.findall(fn, m.Attribute(value=_GET_PP_GROUP, attr=m.Name("is_first_rank") | m.Name("is_last_rank"))):
-            attr = cst.ensure_type(check, cst.Attribute).attr.value
-            self.warn(f"line {self._line(check)}: get_pp_group().{attr} now reads the stage plan (self.{RANK_CHECKS[attr]})")
+        checks = m.findall(fn, m.Attribute(value=_GET_PP_GROUP, attr=m.Name("is_first_rank") | m.Name("is_last_rank")))
+        if checks:
+            lines = ", ".join(str(self._line(c)) for c in checks)
+            self.warn(f"line {lines}: forward's get_pp_group() rank checks now read the stage plan "
+                      "(self.is_first_stage / self.is_last_stage)")
         return cst.ensure_type(rewritten, cst.FunctionDef), residual is not None
 
     def _classify_returns(self, fn: cst.FunctionDef, loop: cst.For) -> tuple[set[int], set[int]]:
@@ -501,6 +497,37 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
             has = f"carries a residual (`{residual}`)" if residual else "carries no residual"
             raise self._skip(loop, f"the loop {has} but spec {spec.name} ({spec.source}) says model.residual = "
                                    f"{str(spec.residual).lower()}: fix the spec")
+
+
+def _drop_unused_import(module: cst.Module, name: str) -> cst.Module:
+    """Remove ``name`` from top-level ``from X import ...`` lines when nothing else uses it any more
+    (forward's rank checks were its only use); a line left empty goes, its blank lines kept."""
+    imported = m.ImportAlias(name=m.Name(name), asname=None)
+    imports = [s for s in module.body if m.matches(s, m.SimpleStatementLine(body=[m.ImportFrom()]))
+               and m.findall(s, imported)]
+    uses = len(m.findall(module, m.Name(name))) - sum(len(m.findall(s, imported)) for s in imports)
+    if not imports or uses:
+        return module
+    body: list[cst.BaseStatement] = []
+    carry: Sequence[cst.EmptyLine] = ()
+    for stmt in module.body:
+        if any(stmt is s for s in imports):
+            node = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.ImportFrom)
+            aliases = list(cst.ensure_type(node.names, Sequence))
+            names = [a for a in aliases if not m.matches(a, imported)]
+            if not names:
+                carry = stmt.leading_lines
+                continue
+            if m.matches(aliases[-1], imported):  # the new last name takes over the removed one's comma
+                names[-1] = names[-1].with_changes(comma=aliases[-1].comma)
+            stmt = stmt.with_changes(body=[node.with_changes(names=names)])
+        if carry:
+            lines = [*carry, *stmt.leading_lines]
+            lines = [x for i, x in enumerate(lines) if x.comment or i == 0 or lines[i - 1].comment]
+            stmt = stmt.with_changes(leading_lines=lines)
+            carry = ()
+        body.append(stmt)
+    return module.with_changes(body=body)
 
 
 def _add_mixin_import(module: cst.Module) -> cst.Module:
