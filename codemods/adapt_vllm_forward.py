@@ -38,9 +38,23 @@ from collections.abc import Sequence
 import libcst as cst
 import libcst.matchers as m
 from libcst.codemod import CodemodContext, SkipFile, VisitorBasedCodemodCommand
-from libcst.helpers import get_full_name_for_node, parse_template_expression, parse_template_statement
+from libcst.helpers import parse_template_statement
 from libcst.metadata import PositionProvider
 
+from pipespec.codemods.import_edits import add_first_party_import, drop_unused_import
+from pipespec.codemods.vllm_forward_shape import (
+    END,
+    START,
+    ShapeError,
+    assigned_leaves,
+    classify_returns,
+    find_layer_loop,
+    fresh_name,
+    is_docstring,
+    loop_shape,
+    names_in,
+    self_attr,
+)
 from pipespec.spec import AdapterSpec
 
 GENERATOR = "adapt_vllm_forward"
@@ -56,17 +70,6 @@ MIXIN_PROPERTIES = ("start_layer", "end_layer", "is_first_stage", "is_last_stage
 RANK_CHECKS = {"is_first_rank": "is_first_stage", "is_last_rank": "is_last_stage"}
 
 
-def _self_attr(name: str | None = None) -> m.Attribute:
-    return m.Attribute(value=m.Name("self"), attr=m.Name(name) if name else m.Name())
-
-
-_START, _END = _self_attr("start_layer"), _self_attr("end_layer")
-_ISLICE = m.Call(func=m.Name("islice") | m.Attribute(attr=m.Name("islice")),
-                 args=[m.Arg(_self_attr()), m.Arg(_START), m.Arg(_END)])
-_SLICE = m.Subscript(value=_self_attr(), slice=[m.SubscriptElement(m.Slice(lower=_START, upper=_END, step=None))])
-_STAGE_LAYERS = _ISLICE | _SLICE
-_ENUMERATE = m.Call(func=m.Name("enumerate"), args=[m.Arg(_STAGE_LAYERS, keyword=None), m.ZeroOrMore()])
-_RANGE = m.Call(func=m.Name("range"), args=[m.Arg(_START), m.Arg(_END)])
 _GET_PP_GROUP = m.Call(func=m.Name("get_pp_group"), args=[])
 _MARKER_LINE = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(MARKER))])])
 
@@ -79,70 +82,6 @@ def marker_text(source: str, spec: AdapterSpec | None) -> str:
 def class_is_marked(node: cst.ClassDef) -> bool:
     """True when the class body assigns the support marker (what adapted code carries)."""
     return isinstance(node.body, cst.IndentedBlock) and any(m.matches(s, _MARKER_LINE) for s in node.body.body)
-
-
-class _Names(cst.CSTVisitor):
-    """Every ``Name`` used in a subtree."""
-
-    def __init__(self) -> None:
-        self.names: set[str] = set()
-
-    def visit_Name(self, node: cst.Name) -> None:
-        self.names.add(node.value)
-
-
-def _names(node: cst.CSTNode) -> set[str]:
-    visitor = _Names()
-    node.visit(visitor)
-    return visitor.names
-
-
-def _leaves(target: cst.BaseExpression) -> list[cst.BaseExpression]:
-    """The names/attributes an assignment target binds (tuple and list targets unpacked)."""
-    if isinstance(target, (cst.Tuple, cst.List)):
-        return [leaf for e in target.elements for leaf in _leaves(e.value)]
-    return [target]
-
-
-def _fresh(base: str, used: set[str]) -> str:
-    name, n = base, 1
-    while name in used:
-        name, n = f"{base}_{n}", n + 1
-    return name
-
-
-class _Find(cst.CSTVisitor):
-    """Collect nodes of forward's own scope (nested functions and classes are not its code)."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.returns: list[cst.Return] = []
-        self.jumps: list[cst.CSTNode] = []
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        self.depth += 1
-        return self.depth == 1
-
-    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
-        self.depth -= 1
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-        return False
-
-    def visit_Lambda(self, node: cst.Lambda) -> bool:
-        return False
-
-    def visit_Return(self, node: cst.Return) -> None:
-        self.returns.append(node)
-
-    def visit_Break(self, node: cst.Break) -> None:
-        self.jumps.append(node)
-
-    def visit_Continue(self, node: cst.Continue) -> None:
-        self.jumps.append(node)
-
-    def visit_Yield(self, node: cst.Yield) -> None:
-        self.jumps.append(node)
 
 
 class _RewriteForward(cst.CSTTransformer):
@@ -228,7 +167,7 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
         if not self.found:
             classes = [s.name.value for s in original_node.body if isinstance(s, cst.ClassDef)]
             raise SkipFile(f"no top-level class {self.class_name!r}; classes here: {', '.join(classes) or 'none'}")
-        return _add_mixin_import(_drop_unused_import(updated_node, "get_pp_group"))
+        return add_first_party_import(drop_unused_import(updated_node, "get_pp_group"), MIXIN_MODULE, MIXIN)
 
     # ------------------------------------------------------------------ class
     def visit_ClassDef(self, node: cst.ClassDef) -> bool:
@@ -271,7 +210,7 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
                    f"{MARKER_ATTR} = {json.dumps(marker_text(self.source, self.spec))}\n"]
         if self.spec is not None and self.spec.num_layers_key != "num_hidden_layers":
             markers.append(f"pipespec_num_layers_key = {self.spec.num_layers_key!r}\n")
-        at = 1 if body and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])) else 0
+        at = 1 if body and is_docstring(body[0]) else 0
         if at < len(body) and not body[at].leading_lines:
             body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
         lines = [cst.parse_statement(text) for text in markers]
@@ -291,8 +230,8 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
         for target in m.findall(node, m.AssignTarget() | m.AugAssign() | m.AnnAssign()):
             if any(target is a for a in allowed):
                 continue
-            for leaf in _leaves(target.target):  # type: ignore[attr-defined]
-                if m.matches(leaf, _self_attr()):
+            for leaf in assigned_leaves(target.target):  # type: ignore[attr-defined]
+                if m.matches(leaf, self_attr()):
                     name, shown = cst.ensure_type(leaf, cst.Attribute).attr.value, "self."
                 elif class_level and isinstance(leaf, cst.Name):
                     name, shown = leaf.value, "class attribute "
@@ -305,22 +244,22 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
     def _adapt_other_method(self, fn: cst.FunctionDef) -> cst.FunctionDef:
         """Keep ``make_layers``'s range under a new name: ``start_layer``/``end_layer`` are the mixin's."""
         assert isinstance(fn.body, cst.IndentedBlock)
-        layer_range = m.Tuple(elements=[m.ZeroOrMore(), m.Element(_START), m.Element(_END), m.ZeroOrMore()])
+        layer_range = m.Tuple(elements=[m.ZeroOrMore(), m.Element(START), m.Element(END), m.ZeroOrMore()])
         line = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(layer_range)])])
         hits = m.findall(fn, line)
         allowed = [t for h in hits for t in h.body[0].targets]  # type: ignore[attr-defined]
         self._refuse_mixin_writes(fn, allowed)
         if not hits:
             return fn
-        used = _names(fn)
-        start, end = _fresh("built_start_layer", used), _fresh("built_end_layer", used)
+        used = names_in(fn)
+        start, end = fresh_name("built_start_layer", used), fresh_name("built_end_layer", used)
         hit_ids = {id(h) for h in hits}
 
         class _Rename(cst.CSTTransformer):
             def leave_Element(self, original: cst.Element, updated: cst.Element) -> cst.Element:
-                if m.matches(original.value, _START):
+                if m.matches(original.value, START):
                     return updated.with_changes(value=cst.Name(start))
-                if m.matches(original.value, _END):
+                if m.matches(original.value, END):
                     return updated.with_changes(value=cst.Name(end))
                 return updated
 
@@ -341,21 +280,28 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
         if "intermediate_tensors" not in params:
             raise self._skip(fn, "forward has no `intermediate_tensors` parameter: not a vLLM-style pipeline-parallel "
                                  "forward (for HF transformers modeling code use --dialect hf)")
-        used = _names(fn)
+        used = names_in(fn)
         for hand in (AUX, REMOTE, "collect_remote_aux_hidden_states", "aux_hidden_state_layers"):
             if hand in used:
                 raise self._skip(fn, f"forward already uses `{hand}`: aux states are handled by hand; review it and add "
                                      f"`{MARKER} = True` to the class, or remove that code and regenerate")
         stmts = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
-        loop_at = self._find_loop(fn, stmts)
-        loop = cst.ensure_type(stmts[loop_at], cst.For)
-        layer_attr, idx, new_iter, new_target, hidden, residual = self._loop_shape(loop, used)
+        try:
+            loop_at = find_layer_loop(fn)
+            loop = cst.ensure_type(stmts[loop_at], cst.For)
+            shape = loop_shape(loop, used)
+            loop_end = self.get_metadata(PositionProvider, loop).end.line
+            nonlast, last = classify_returns(fn, loop_end, self._line)
+        except ShapeError as exc:
+            raise self._skip(exc.node, exc.reason) from None
+        if shape.made_absolute:
+            self.warn(f"line {self._line(loop)}: the loop index `{shape.idx}` now counts layers globally (start=self.start_layer)")
         if self.spec is not None:
-            self._check_spec(loop, layer_attr, residual)
+            self._check_spec(loop, shape.layers_attr, shape.residual)
+        idx, hidden, residual = shape.idx, shape.hidden, shape.residual
         capture_sum = residual is not None and (self.spec is None or self.spec.capture == "hidden + residual")
         after = f"{hidden} + {residual}" if capture_sum else hidden
         first = f"{hidden} if {residual} is None else {hidden} + {residual}" if capture_sum else hidden
-        nonlast, last = self._classify_returns(fn, loop)
 
         capture = parse_template_statement(
             "if {idx} in self.aux_capture_after_layers:\n    self.capture_aux_hidden_state(" + AUX + ", {value})\n",
@@ -363,7 +309,7 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
         capture = capture.with_changes(body=capture.body.with_changes(header=cst.TrailingWhitespace(
             whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(f"# pipespec: aux id {idx} + 1"))))
         loop_body = cst.ensure_type(loop.body, cst.IndentedBlock)
-        new_loop = loop.with_changes(iter=new_iter or loop.iter, target=new_target or loop.target,
+        new_loop = loop.with_changes(iter=shape.new_iter or loop.iter, target=shape.new_target or loop.target,
                                      body=loop_body.with_changes(body=[*loop_body.body, capture]), leading_lines=())
         id0 = parse_template_statement(
             "if self.aux_capture_input:  # pipespec: aux id 0 (what enters layer 0), first stage\n    "
@@ -373,7 +319,7 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
                                 f"{REMOTE} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n"),
             cst.parse_statement(f"{AUX} = []  # pipespec: this stage's own aux states, in id order\n"),
         ]
-        doc = 1 if stmts and m.matches(stmts[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])) else 0
+        doc = 1 if stmts and is_docstring(stmts[0]) else 0
         new_stmts = [*stmts[:doc], *collect, *stmts[doc:loop_at], id0.with_changes(leading_lines=loop.leading_lines),
                      new_loop, *stmts[loop_at + 1:]]
         rewritten = fn.with_changes(body=fn.body.with_changes(body=new_stmts)).visit(
@@ -385,108 +331,6 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
                       "(self.is_first_stage / self.is_last_stage)")
         return cst.ensure_type(rewritten, cst.FunctionDef), residual is not None
 
-    def _classify_returns(self, fn: cst.FunctionDef, loop: cst.For) -> tuple[set[int], set[int]]:
-        """ids of the non-last returns (``IntermediateTensors({...})``) and of the last-rank returns."""
-        finder = _Find()
-        fn.visit(finder)
-        if finder.jumps:
-            raise self._skip(finder.jumps[0], "forward breaks, continues or yields: only a straight layer loop is understood")
-        loop_end = self.get_metadata(PositionProvider, loop).end.line
-        nonlast, last = set(), set()
-        for ret in finder.returns:
-            if self._line(ret) <= loop_end:
-                raise self._skip(ret, "forward returns before its layer loop ends: only a straight layer loop is understood")
-            if m.matches(ret.value, m.Call(func=m.Name("IntermediateTensors"))):
-                call = cst.ensure_type(ret.value, cst.Call)
-                if len(call.args) != 1 or call.args[0].keyword is not None or not isinstance(call.args[0].value, cst.Dict):
-                    raise self._skip(ret, "the non-last-rank return is not `IntermediateTensors({...})` with a dict literal")
-                nonlast.add(id(ret))
-            elif ret.value is None:
-                raise self._skip(ret, "forward has a bare `return`: the last rank must return the hidden states")
-            else:
-                last.add(id(ret))
-        if not nonlast:
-            raise self._skip(fn, "forward never returns `IntermediateTensors({...})` for non-last ranks: it does not "
-                                 "support pipeline parallelism yet")
-        if not last:
-            raise self._skip(fn, "forward has no last-rank return of the hidden states")
-        return nonlast, last
-
-    def _find_loop(self, fn: cst.FunctionDef, stmts: list[cst.BaseStatement]) -> int:
-        top = [i for i, s in enumerate(stmts) if isinstance(s, cst.For) and self._is_stage_loop(s)]
-        if len(top) == 1:
-            return top[0]
-        if len(top) > 1:
-            raise self._skip(stmts[top[1]], "forward has more than one layer loop")
-        for loop in m.findall(fn, m.For()):
-            assert isinstance(loop, cst.For)
-            if self._is_stage_loop(loop):
-                raise self._skip(loop, "the layer loop is nested inside another statement: only a top-level loop is understood")
-            if m.findall(loop.iter, _self_attr()):
-                raise self._skip(loop, f"loop `for ... in {cst.Module([]).code_for_node(loop.iter)}` is not over this "
-                                       "stage's layers (islice(self.layers, self.start_layer, self.end_layer), a "
-                                       "slice of it, enumerate of either, or range(self.start_layer, self.end_layer))")
-        raise self._skip(fn, "forward has no layer loop over islice(self.<layers>, self.start_layer, self.end_layer)")
-
-    @staticmethod
-    def _is_stage_loop(loop: cst.For) -> bool:
-        return m.matches(loop.iter, _STAGE_LAYERS | _ENUMERATE | _RANGE)
-
-    def _loop_shape(self, loop: cst.For, used: set[str]) -> tuple[
-        str | None, str, cst.BaseExpression | None, cst.BaseAssignTargetExpression | None, str, str | None
-    ]:
-        """(layers attr, absolute index name, new iter, new target (None: keep), hidden name, residual name)."""
-        if loop.orelse is not None:
-            raise self._skip(loop, "the layer loop has an else branch")
-        body = cst.ensure_type(loop.body, cst.IndentedBlock)
-        it, target = loop.iter, loop.target
-        new_iter: cst.BaseExpression | None = None
-        new_target: cst.BaseAssignTargetExpression | None = None
-        layer_attr: str | None = None
-        if m.matches(it, _RANGE):
-            if not isinstance(target, cst.Name):
-                raise self._skip(loop, "the range loop's target is not a single name")
-            idx = target.value
-            call = m.Call(func=m.Subscript(value=_self_attr(), slice=[m.SubscriptElement(m.Index(m.Name(idx)))]))
-        else:
-            enumerated = m.matches(it, _ENUMERATE)
-            args = cst.ensure_type(it, cst.Call).args if enumerated else ()
-            stage_layers = args[0].value if enumerated else it
-            layer_attr = cst.ensure_type(m.findall(stage_layers, _self_attr())[0], cst.Attribute).attr.value
-            absolute = parse_template_expression("enumerate({layers}, start=self.start_layer)", layers=stage_layers)
-            if not enumerated:
-                if not isinstance(target, cst.Name):
-                    raise self._skip(loop, "the layer loop's target is not a single name")
-                layer, idx = target.value, _fresh("idx", used)
-                new_iter = absolute
-                new_target = cst.Tuple([cst.Element(cst.Name(idx)), cst.Element(cst.Name(layer))], lpar=[], rpar=[])
-            else:
-                if not m.matches(target, m.Tuple([m.Element(m.Name()), m.Element(m.Name())])):
-                    raise self._skip(loop, "the enumerate loop's target is not `index, layer`")
-                idx, layer = (cst.ensure_type(e.value, cst.Name).value for e in cst.ensure_type(target, cst.Tuple).elements)
-                if not (len(args) == 2 and m.matches(args[1], m.Arg(_START, keyword=m.Name("start") | None))):
-                    if idx in _names(body):
-                        raise self._skip(loop, f"the loop index `{idx}` counts from 0 on every stage (enumerate without "
-                                               "start=self.start_layer) and the body uses it: a stage > 0 reads the wrong "
-                                               "layer's entry; fix the source with start=self.start_layer, then regenerate")
-                    new_iter = absolute
-                    self.warn(f"line {self._line(loop)}: the loop index `{idx}` now counts layers globally "
-                              "(start=self.start_layer)")
-            call = m.Call(func=m.Name(layer))
-        assigns = [s for s in body.body if m.matches(s, m.SimpleStatementLine(body=[m.Assign(value=call)]))]
-        if len(assigns) != 1:
-            raise self._skip(loop, "the loop body must call the layer exactly once as `hidden_states[, residual] = layer(...)`")
-        targets = cst.ensure_type(cst.ensure_type(assigns[0], cst.SimpleStatementLine).body[0], cst.Assign).targets
-        names = targets[0].target
-        if len(targets) == 1 and isinstance(names, cst.Name):
-            return layer_attr, idx, new_iter, new_target, names.value, None
-        if len(targets) == 1 and m.matches(names, m.Tuple([m.Element(m.Name()), m.Element(m.Name())])):
-            hidden, residual = (cst.ensure_type(e.value, cst.Name).value for e in cst.ensure_type(names, cst.Tuple).elements)
-            return layer_attr, idx, new_iter, new_target, hidden, residual
-        shown = cst.Module([]).code_for_node(names)
-        raise self._skip(assigns[0], f"the layer call assigns `{shown}`: only `hidden_states` or `hidden_states, residual` "
-                                     "is understood (a layer that carries recurrent state across layers is declined)")
-
     def _check_spec(self, loop: cst.For, layer_attr: str | None, residual: str | None) -> None:
         spec = self.spec
         assert spec is not None
@@ -497,82 +341,3 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
             has = f"carries a residual (`{residual}`)" if residual else "carries no residual"
             raise self._skip(loop, f"the loop {has} but spec {spec.name} ({spec.source}) says model.residual = "
                                    f"{str(spec.residual).lower()}: fix the spec")
-
-
-def _drop_unused_import(module: cst.Module, name: str) -> cst.Module:
-    """Remove ``name`` from top-level ``from X import ...`` lines when nothing else uses it any more
-    (forward's rank checks were its only use); a line left empty goes, its blank lines kept."""
-    imported = m.ImportAlias(name=m.Name(name), asname=None)
-    imports = [s for s in module.body if m.matches(s, m.SimpleStatementLine(body=[m.ImportFrom()]))
-               and m.findall(s, imported)]
-    uses = len(m.findall(module, m.Name(name))) - sum(len(m.findall(s, imported)) for s in imports)
-    if not imports or uses:
-        return module
-    body: list[cst.BaseStatement] = []
-    carry: Sequence[cst.EmptyLine] = ()
-    for stmt in module.body:
-        if any(stmt is s for s in imports):
-            node = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.ImportFrom)
-            aliases = list(cst.ensure_type(node.names, Sequence))
-            names = [a for a in aliases if not m.matches(a, imported)]
-            if not names:
-                carry = stmt.leading_lines
-                continue
-            if m.matches(aliases[-1], imported):  # the new last name takes over the removed one's comma
-                names[-1] = names[-1].with_changes(comma=aliases[-1].comma)
-            stmt = stmt.with_changes(body=[node.with_changes(names=names)])
-        if carry:
-            lines = [*carry, *stmt.leading_lines]
-            lines = [x for i, x in enumerate(lines) if x.comment or i == 0 or lines[i - 1].comment]
-            stmt = stmt.with_changes(leading_lines=lines)
-            carry = ()
-        body.append(stmt)
-    return module.with_changes(body=body)
-
-
-def _add_mixin_import(module: cst.Module) -> cst.Module:
-    """Add ``from pipespec.mixin import AuxHiddenStatesMixin`` unless the name is imported already.
-
-    Placed where isort puts a first-party import: next to other ``pipespec`` imports, else as its own
-    block after the last top-level import (before relative imports).
-    """
-    body = list(module.body)
-    header = []
-    for i, stmt in enumerate(body):
-        if m.matches(stmt, m.SimpleStatementLine(body=[m.Import() | m.ImportFrom()])):
-            header.append(i)
-        elif not (i == 0 and m.matches(stmt, m.SimpleStatementLine(body=[m.Expr(m.SimpleString())]))):
-            break
-    for i in header:
-        node = cst.ensure_type(body[i], cst.SimpleStatementLine).body[0]
-        if isinstance(node, cst.ImportFrom) and not isinstance(node.names, cst.ImportStar):
-            if any(a.evaluated_name == MIXIN and a.evaluated_alias in (None, MIXIN) for a in node.names):
-                return module
-    new = cst.parse_statement(f"from {MIXIN_MODULE} import {MIXIN}\n")
-
-    def module_of(i: int) -> tuple[str, bool]:
-        node = cst.ensure_type(body[i], cst.SimpleStatementLine).body[0]
-        if isinstance(node, cst.ImportFrom):
-            return (get_full_name_for_node(node.module) or "" if node.module else ""), bool(node.relative)
-        return get_full_name_for_node(cst.ensure_type(node, cst.Import).names[0].name) or "", False
-
-    ours = [i for i in header if module_of(i)[0].split(".")[0] == "pipespec" and not module_of(i)[1]]
-    relative = [i for i in header if module_of(i)[1]]
-    if ours:
-        after = [i for i in ours if module_of(i)[0] > MIXIN_MODULE]
-        at = after[0] if after else ours[-1] + 1
-        if after:
-            new = new.with_changes(leading_lines=body[at].leading_lines)
-            body[at] = body[at].with_changes(leading_lines=())
-    elif relative:
-        at = relative[0]
-        new = new.with_changes(leading_lines=body[at].leading_lines or [cst.EmptyLine()])
-        body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine()])
-    elif header:
-        at = header[-1] + 1
-        new = new.with_changes(leading_lines=[cst.EmptyLine()])
-    else:
-        at = 1 if body and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])) else 0
-        new = new.with_changes(leading_lines=[cst.EmptyLine()] if at else [])
-    body.insert(at, new)
-    return module.with_changes(body=body)
