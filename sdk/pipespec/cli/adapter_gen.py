@@ -88,6 +88,10 @@ def _run_adapt(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.target[0]}: --class NAME is required (the decoder-stack class to adapt)")
         target = codegen.load_target(args.target[0], args.class_name)
         dialect = args.dialect or codegen.detect_dialect(codegen.find_class(target.module, target.class_name, target.label))
+    if args.out is not None and not args.check:
+        parent = Path(args.out).parent
+        if not parent.is_dir():
+            raise UsageError(f"--out {args.out}: directory {parent} does not exist; create it or choose another --out path")
     spec = codegen.resolve_spec(target, dialect, args.spec)
     if spec is not None and spec.dialect != dialect:
         print(f"{PROG}: warning: spec {spec.name} ({spec.source}) is for the {spec.dialect} dialect; "
