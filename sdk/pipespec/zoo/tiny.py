@@ -1,0 +1,542 @@
+"""Tiny random float32 models for every causal-LM type of the installed transformers.
+
+The zoo needs a model of each type small enough to build and run in milliseconds, yet shaped like the
+real thing: several layers (so stages can split them), grouped-query attention, every *kind* of layer
+the architecture mixes (sliding and full attention, linear attention, Mamba, MoE and dense MLPs). The
+generic recipe sets the usual size fields of the type's config class (only those the class declares);
+per-type fixes repair what the recipe cannot express. Each fix is one entry of ``FIXES`` with the reason
+it exists, so the coverage table can say which types needed one.
+
+Before any weight is allocated the model is built on the ``meta`` device and its parameters counted:
+a sub-config the recipe missed (an untouched 27-layer vision tower, a 500k hash vocabulary) would
+otherwise allocate gigabytes. A type that cannot be built raises ``TinyBuildError`` whose message is the
+specific reason, and the zoo reports the type as declined with it.
+
+    >>> tiny = build_tiny_model("llama")                     # doctest: +SKIP
+    >>> tiny.config.num_hidden_layers, tiny.config.hidden_size
+    (6, 64)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FIXES",
+    "GENERIC",
+    "MAX_TINY_PARAMS",
+    "TinyBuildError",
+    "TinyModel",
+    "build_tiny_model",
+    "causal_lm_model_types",
+    "tiny_config",
+]
+
+HIDDEN = 64
+LAYERS = 6
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = HIDDEN // HEADS
+VOCAB = 256
+FFN = 128
+POSITIONS = 128
+#: Upper bound on a tiny model's parameters; above it the recipe missed a size field of the type.
+MAX_TINY_PARAMS = 5_000_000
+
+#: The generic recipe: config field -> tiny value, applied to every field the config class declares.
+#: Several names mean the same quantity in different families (``n_embd``, ``d_model``, ...).
+GENERIC: dict[str, Any] = {
+    # width
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "emb_dim", "dim"), HIDDEN),
+    # depth
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "num_decoder_layers"), LAYERS),
+    **dict.fromkeys(("encoder_layers", "num_encoder_layers"), 1),
+    # attention heads
+    **dict.fromkeys(
+        ("num_attention_heads", "n_head", "n_heads", "attention_heads", "decoder_attention_heads",
+         "num_decoder_attention_heads", "encoder_attention_heads", "num_encoder_attention_heads"),
+        HEADS,
+    ),
+    "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD_DIM,
+    # MLP widths
+    **dict.fromkeys(
+        ("intermediate_size", "ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim", "n_inner", "d_inner", "dff",
+         "dim_ff", "ffn_hidden_size", "intermediate_size_mlp", "dense_intermediate_size", "d_ff"),
+        FFN,
+    ),
+    # vocabulary and positions
+    "vocab_size": VOCAB,
+    **dict.fromkeys(
+        ("max_position_embeddings", "n_positions", "n_ctx", "max_target_positions", "context_length", "max_seq_len"),
+        POSITIONS,
+    ),
+    # mixture of experts: a few small experts, and at least one dense layer where the family has them
+    **dict.fromkeys(("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k"), 2),
+    **dict.fromkeys(
+        ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_ffn_hidden_size",
+         "shared_experts_intermediate_size", "moe_shared_expert_intermediate_size", "shared_intermediate_size"),
+        32,
+    ),
+    **dict.fromkeys(("n_group", "topk_group", "n_shared_experts"), 1),
+    # per-layer input embeddings (Gemma 3n / 4)
+    "vocab_size_per_layer_input": VOCAB,
+    "hidden_size_per_layer_input": 8,
+    # multi-head latent attention (DeepSeek-style)
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    # sparse-attention indexers
+    "index_n_heads": 2,
+    "index_head_dim": 16,
+    "index_topk": 4,
+    # linear attention (gated delta net and friends)
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_heads": 4,
+    "linear_head_dim": 16,
+    # state-space layers
+    **dict.fromkeys(("mamba_d_state", "state_size", "ssm_state_size"), 16),
+    **dict.fromkeys(("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"), 8),
+    "mamba_head_dim": 16,
+    "n_groups": 1,
+    **dict.fromkeys(("chunk_size", "mamba_chunk_size"), 16),
+}
+
+#: Token-id fields that must index the tiny vocabulary; ids outside it are replaced (pad 0, bos 1, eos 2,
+#: others counted down from the top of the vocabulary).
+_SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1}
+
+#: Depth for towers next to the text decoder (vision, audio): the zoo never runs them.
+_SIDE_LAYERS = 1
+_DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "num_decoder_layers", "num_blocks")
+#: Sub-configs that hold the text decoder the zoo runs (every other sub-config is a side tower).
+_TEXT_SUB_CONFIGS = ("text_config", "decoder", "decoder_config", "language_config", "llm_config", "global_config")
+#: Recipe keys that are not config fields: nested sub-config recipes, and the sub-config to build from.
+_SUB = "__sub_configs__"
+_BUILD_FROM = "__build_from__"
+
+
+class TinyBuildError(Exception):
+    """The tiny model of a type could not be built; ``str(exc)`` is the specific reason."""
+
+
+@dataclass
+class TinyModel:
+    """A built tiny model and how it was made."""
+
+    model_type: str
+    config: Any
+    model: torch.nn.Module  # the causal-LM class of the type, in eval mode
+    fixes: tuple[str, ...]  # names of the per-type fixes applied (keys of FIXES)
+    num_parameters: int
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A per-type repair of the generic recipe: ``apply(kwargs)`` edits the config keyword arguments."""
+
+    reason: str
+    apply: Callable[[dict[str, Any]], None]
+
+
+def causal_lm_model_types() -> list[str]:
+    """Every model type of the installed transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, in its order."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+# ----------------------------------------------------------------------------------- the recipe
+def config_fields(config_cls: type) -> dict[str, Any]:
+    """Declared fields of a (dataclass-style, transformers 5.x) config class with their defaults."""
+    try:
+        fields = dataclasses.fields(config_cls)
+    except TypeError:
+        return {}
+    out: dict[str, Any] = {}
+    for f in fields:
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+        else:
+            out[f.name] = None
+    return out
+
+
+def _tiny_special_ids(fields: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    spare = VOCAB - 1
+    for name, default in fields.items():
+        if not (name.endswith("token_id") or name.endswith("token_index") or name.endswith("token_ids")):
+            continue
+        values = default if isinstance(default, list) else [default]
+        if not any(isinstance(v, int) and not isinstance(v, bool) and v >= VOCAB for v in values):
+            continue
+        if name in _SPECIAL_IDS:
+            kwargs[name] = _SPECIAL_IDS[name]
+        else:
+            kwargs[name] = spare
+            spare -= 1
+
+
+def _truncate_layer_list(values: list[Any], n: int = LAYERS) -> list[Any]:
+    """First ``n`` entries of a per-layer list, then every missing kind swapped in from the end.
+
+    ``["sliding"] * 5 + ["full"]`` repeated over 48 layers keeps its 5:1 pattern in 6 layers; a kind
+    that first appears later (one "attention" among 40 "mamba") replaces the last entries.
+    """
+    out = list(values[:n])
+    missing = [v for v in dict.fromkeys(map(_hashable, values)) if v not in map(_hashable, out)]
+    for i, kind in enumerate(missing[:n]):
+        out[n - 1 - i] = kind
+    return out
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _default_instance(config_cls: type) -> Any | None:
+    """The config class built with its defaults, to read what ``__post_init__`` derives (None if it fails)."""
+    try:
+        with _quiet():
+            return config_cls()
+    except Exception:  # noqa: BLE001 - some classes need arguments; the recipe then works from fields only
+        return None
+
+
+def _recipe(config_cls: type, depth: int) -> dict[str, Any]:
+    """Keyword arguments of the tiny config; sub-configs are nested dicts under ``_SUB``."""
+    fields = config_fields(config_cls)
+    kwargs = {k: v for k, v in GENERIC.items() if k in fields}
+    for k in _DEPTH_FIELDS:
+        if k in kwargs:
+            kwargs[k] = depth
+    if "sliding_window" in fields and isinstance(fields["sliding_window"], int):
+        kwargs["sliding_window"] = 4  # shorter than the test sequence, so sliding masks matter
+    if "is_decoder" in fields:
+        kwargs["is_decoder"] = True  # BERT-style stacks are causal only as decoders
+    _tiny_special_ids(fields, kwargs)
+    default = _default_instance(config_cls)
+    default_depth = _depth_of(default)
+    for name in fields:
+        value = _peek(default, name) if default is not None else fields[name]
+        if (
+            isinstance(value, list)
+            and default_depth is not None
+            and len(value) == default_depth > depth
+            and ("layer" in name or "block" in name)
+            and all(isinstance(v, str) for v in value)
+        ):
+            kwargs[name] = _truncate_layer_list(value, depth)
+    subs: dict[str, tuple[type, dict[str, Any]]] = {}
+    for name in getattr(config_cls, "sub_configs", None) or {}:
+        sub_cls = _sub_config_class(config_cls, default, name)
+        if sub_cls is None:
+            continue
+        textual = name in _TEXT_SUB_CONFIGS
+        sub_kwargs = _recipe(sub_cls, depth if textual else _SIDE_LAYERS)
+        sub_fix = FIXES.get(getattr(sub_cls, "model_type", "") or "")
+        if sub_fix is not None:
+            sub_fix.apply(sub_kwargs)
+        subs[name] = (sub_cls, sub_kwargs)
+    if subs:
+        kwargs[_SUB] = subs
+    return kwargs
+
+
+def _peek(config: Any, name: str) -> Any:
+    """``getattr`` that tolerates configs refusing global reads of per-layer attributes (Gemma 4)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError and friends
+        return None
+
+
+def _sub_config_class(config_cls: type, default: Any, name: str) -> type | None:
+    """The class of sub-config ``name``: what the default instance holds, the declared default model
+    type (``sub_configs_defaults``), or the declared class when it is concrete."""
+    held = type(_peek(default, name)) if default is not None else None
+    if held is not None and dataclasses.is_dataclass(held):
+        return held
+    spec = (getattr(config_cls, "sub_configs_defaults", None) or {}).get(name)
+    model_type = getattr(spec, "model_type", None)
+    if isinstance(model_type, str):
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        try:
+            return CONFIG_MAPPING[model_type]  # type: ignore[no-any-return]
+        except KeyError:
+            pass
+    declared = (getattr(config_cls, "sub_configs", None) or {})[name]
+    return declared if isinstance(declared, type) and dataclasses.is_dataclass(declared) else None
+
+
+def _depth_of(config: Any) -> int | None:
+    if config is None:
+        return None
+    for k in _DEPTH_FIELDS:
+        value = _peek(config, k)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _instantiate(config_cls: type, kwargs: dict[str, Any]) -> Any:
+    kwargs = dict(kwargs)
+    for name, (sub_cls, sub_kwargs) in kwargs.pop(_SUB, {}).items():
+        kwargs[name] = _instantiate(sub_cls, sub_kwargs)
+    return config_cls(**kwargs)
+
+
+def tiny_config(model_type: str) -> tuple[Any, tuple[str, ...]]:
+    """The tiny config of ``model_type`` and the names of the per-type fixes it needed."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        config_cls = CONFIG_MAPPING[model_type]
+    except (KeyError, ImportError) as exc:
+        raise TinyBuildError(f"no config class for model type {model_type!r}: {exc}") from None
+    kwargs = _recipe(config_cls, LAYERS)
+    applied = []
+    fix = FIXES.get(model_type)
+    if fix is not None:
+        fix.apply(kwargs)
+        applied.append(model_type)
+    applied += [sub_cls.model_type for sub_cls, _ in kwargs.get(_SUB, {}).values() if sub_cls.model_type in FIXES]
+    target = kwargs.pop(_BUILD_FROM, None)
+    try:
+        with _quiet():
+            config = _instantiate(config_cls, kwargs)
+            if target is not None:
+                config = getattr(config, target)
+    except Exception as exc:  # noqa: BLE001 - any config validation failure is the reason to report
+        raise TinyBuildError(f"config {config_cls.__name__} rejects the tiny recipe: {_one_line(exc)}") from None
+    return config, tuple(dict.fromkeys(applied))
+
+
+def build_tiny_model(model_type: str, seed: int = 0) -> TinyModel:
+    """Build the tiny float32 causal LM of ``model_type`` (eager attention, eval mode, seeded weights)."""
+    config, fixes = tiny_config(model_type)
+    lm_class = _causal_lm_class(model_type, config)
+    try:
+        config._attn_implementation = "eager"  # one attention path for reference and stages
+    except Exception:  # noqa: BLE001 - a config that refuses the override keeps its default
+        pass
+    try:
+        with _quiet(), torch.device("meta"):
+            shell = _from_config(lm_class, config)
+    except Exception as exc:  # noqa: BLE001
+        raise TinyBuildError(f"{type(config).__name__} does not build a causal LM: {_one_line(exc)}") from None
+    count = sum(p.numel() for p in shell.parameters())
+    if count > MAX_TINY_PARAMS:
+        biggest = max(shell.named_parameters(), key=lambda kv: kv[1].numel())
+        raise TinyBuildError(
+            f"tiny recipe still gives {count:,} parameters (largest: {biggest[0]} {tuple(biggest[1].shape)}); "
+            "a size field of this config is not covered"
+        )
+    del shell
+    torch.manual_seed(seed)
+    try:
+        with _quiet():
+            model = _from_config(lm_class, config)
+    except Exception as exc:  # noqa: BLE001
+        raise TinyBuildError(f"{type(config).__name__} does not build a causal LM: {_one_line(exc)}") from None
+    model.eval()
+    return TinyModel(model_type=model_type, config=config, model=model, fixes=fixes, num_parameters=count)
+
+
+def _causal_lm_class(model_type: str, config: Any) -> Any:
+    """``AutoModelForCausalLM`` (the only way composite configs build), or the mapped class by name when
+    the config is a sub-config the auto mapping does not know (musicgen's decoder)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if type(config) is CONFIG_MAPPING[model_type]:
+        return AutoModelForCausalLM
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+
+
+def _from_config(lm_class: Any, config: Any) -> torch.nn.Module:
+    if hasattr(lm_class, "from_config"):
+        return lm_class.from_config(config, dtype=torch.float32)  # type: ignore[no-any-return]
+    return lm_class._from_config(config, dtype=torch.float32)  # type: ignore[no-any-return]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence transformers' config warnings (token ids, rope fields) while building tiny models."""
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+# ----------------------------------------------------------------------------------- per-type fixes
+def _set(**values: Any) -> Callable[[dict[str, Any]], None]:
+    def apply(kwargs: dict[str, Any]) -> None:
+        kwargs.update(values)
+
+    return apply
+
+
+def _text(**values: Any) -> Callable[[dict[str, Any]], None]:
+    """Edit the recipe of the ``text_config`` sub-config."""
+
+    def apply(kwargs: dict[str, Any]) -> None:
+        kwargs[_SUB]["text_config"][1].update(values)
+
+    return apply
+
+
+def _build_from(sub: str, **values: Any) -> Callable[[dict[str, Any]], None]:
+    """Build the composite config, then hand its ``sub`` config to the causal-LM class."""
+
+    def apply(kwargs: dict[str, Any]) -> None:
+        kwargs[_BUILD_FROM] = sub
+        kwargs[_SUB][sub][1].update(values)
+
+    return apply
+
+
+def _both(*edits: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    def apply(kwargs: dict[str, Any]) -> None:
+        for edit in edits:
+            edit(kwargs)
+
+    return apply
+
+
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+#: Per-type repairs, each with the reason the generic recipe is not enough.
+FIXES: dict[str, Fix] = {
+    "blt": Fix("hash-byte embedding vocabulary (500k rows) is a separate field", _set(encoder_hash_byte_group_vocab=VOCAB)),
+    "cohere_compass_text": Fix(
+        "rope parameters are per layer type and empty by default",
+        _set(rope_parameters={"full_attention": dict(_ROPE), "sliding_attention": dict(_ROPE)},
+             layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
+    ),
+    "dbrx": Fix(
+        "attention and FFN sizes live in sub-configs; the attention config lacks the rope_theta the model reads",
+        lambda kw: kw[_SUB].update({
+            "attn_config": (kw[_SUB]["attn_config"][0], {"kv_n_heads": KV_HEADS, "rope_theta": 10000.0}),
+            "ffn_config": (kw[_SUB]["ffn_config"][0], {"ffn_hidden_size": FFN, "moe_num_experts": 4, "moe_top_k": 2}),
+        }),
+    ),
+    "deepseek_v4": Fix("grouped output projection has its own rank and group count", _set(o_lora_rank=16, o_groups=2)),
+    "dots3_note_text": Fix(
+        "MLA attention requires num_key_value_heads == num_attention_heads; sliding layers take swa_* sizes",
+        _set(num_key_value_heads=HEADS, swa_num_attention_heads=HEADS, swa_num_key_value_heads=HEADS, swa_q_lora_rank=32,
+             swa_kv_lora_rank=16, swa_head_dim=HEAD_DIM, swa_qk_nope_head_dim=8, swa_v_head_dim=16),
+    ),
+    "dots3_note": Fix(
+        "the vision and audio adapters must map the tower widths onto the text width",
+        lambda kw: (kw[_SUB]["vision_config"][1].update(adapter_in_dim=HIDDEN, adapter_out_dim=HIDDEN),
+                    kw[_SUB]["audio_config"][1].update(adapter_input_size=HIDDEN, adapter_out_dim=HIDDEN)),
+    ),
+    "gemma4_unified": Fix(
+        "the vision embedder's patch size and projection width are separate fields",
+        lambda kw: kw[_SUB]["vision_config"][1].update(patch_size=2, pooling_kernel_size=2, model_patch_size=4, mm_embed_dim=HIDDEN),
+    ),
+    "gemma3n_text": Fix(
+        "KV-sharing layers must have a producer of each attention kind before them",
+        _set(layer_types=["sliding_attention", "full_attention"] * 3, num_kv_shared_layers=2, laurel_rank=8),
+    ),
+    "gemma4_assistant": Fix(
+        "the assistant has no per-layer inputs and reads a backbone of its own width",
+        _both(_text(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0), _set(backbone_hidden_size=HIDDEN, num_centroids=16, centroid_intermediate_top_k=4)),
+    ),
+    "gemma4_unified_assistant": Fix(
+        "the assistant reads a backbone of its own width and a centroid table",
+        _set(backbone_hidden_size=HIDDEN, num_centroids=16, centroid_intermediate_top_k=4),
+    ),
+    "gpt_neo": Fix(
+        "heads are `num_heads` and the local/global attention pattern is a list sized for 24 layers",
+        _set(num_heads=HEADS, attention_types=[[["global", "local"], LAYERS // 2]]),
+    ),
+    "inkling_text": Fix(
+        "sliding-window attention has its own head counts and window",
+        _set(swa_num_attention_heads=HEADS, swa_num_key_value_heads=KV_HEADS, swa_head_dim=HEAD_DIM, sliding_window_size=4),
+    ),
+    "inkling2_text": Fix(
+        "sliding-window attention has its own head counts and window; the unpadded vocabulary is a field",
+        _set(swa_num_attention_heads=HEADS, swa_num_key_value_heads=KV_HEADS, swa_head_dim=HEAD_DIM, sliding_window_size=4,
+             unpadded_vocab_size=VOCAB, n_layers_per_attn_res_block=2),
+    ),
+    "inkling2_loop_text": Fix(
+        "sliding-window attention has its own head counts and window; the loop range is in layer indices",
+        _set(swa_num_attention_heads=HEADS, swa_num_key_value_heads=KV_HEADS, swa_head_dim=HEAD_DIM, sliding_window_size=4,
+             unpadded_vocab_size=VOCAB, n_layers_per_attn_res_block=2),
+    ),
+    "lfm2_moe": Fix(
+        "layer_types has no default (the modeling code indexes it)",
+        _set(layer_types=["conv", "full_attention", "conv", "conv", "full_attention", "conv"], num_dense_layers=1),
+    ),
+    "longcat_flash": Fix("zero experts (256 by default) are added to the routed experts", _set(zero_expert_num=2)),
+    "mamba2": Fix("heads x head_dim must equal expand x hidden", _set(num_heads=8, head_dim=16)),
+    "musicgen": Fix(
+        "the causal LM is the decoder alone: built from the `decoder` sub-config, input is one row per codebook",
+        _build_from("decoder", num_codebooks=2),
+    ),
+    "musicgen_melody": Fix(
+        "the causal LM is the decoder alone: built from the `decoder` sub-config, input is one row per codebook",
+        _build_from("decoder", num_codebooks=2),
+    ),
+    "phi4_multimodal": Fix("the audio encoder's convolution width is a separate field", lambda kw: kw[_SUB]["audio_config"][1].update(
+        ext_pw_out_channel=HIDDEN, num_blocks=1)),
+    "reformer": Fix(
+        "the causal LM requires is_decoder; axial position shape must factor the tiny sequence length",
+        _set(is_decoder=True, axial_pos_shape=[8, 16], axial_pos_embds_dim=[32, 32], attn_layers=["local", "lsh"] * 3,
+             attention_head_size=HEAD_DIM, feed_forward_size=FFN, local_attn_chunk_length=4, lsh_attn_chunk_length=4),
+    ),
+    "roc_bert": Fix(
+        "pronunciation and shape embeddings have their own vocabularies and widths",
+        _set(pronunciation_embed_dim=32, pronunciation_vocab_size=64, shape_embed_dim=32, shape_vocab_size=64),
+    ),
+    "zamba": Fix(
+        "the shared transformer block is tied across hybrid layers, so at least two are needed",
+        _set(layers_block_type=["linear_attention", "linear_attention", "hybrid", "linear_attention", "hybrid", "linear_attention"]),
+    ),
+    "qwen4_exp_text": Fix(
+        "indexed-attention layers build an indexer whose sizes have no defaults",
+        _set(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=HEAD_DIM, indexer_budget=4, indexer_compress_ratio=2),
+    ),
+    "bamba": Fix("attention layer indices default to none at this depth", _set(attn_layer_indices=[2, 5])),
+    "granitemoehybrid": Fix(
+        "layer_types defaults to Mamba only", _set(layer_types=["linear_attention", "linear_attention", "full_attention"] * 2)
+    ),
+    "mllama": Fix("cross-attention layer indices are absolute and beyond 6 layers", _text(cross_attention_layers=[3])),
+    "nemotron_h": Fix(
+        "the layer pattern is a list that also fixes the depth",
+        _set(layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"]),
+    ),
+    "zaya": Fix("only one expert per token is supported", _set(num_experts_per_tok=1)),
+}
