@@ -489,7 +489,11 @@ def scaffold_adapter(model_type: str, out_dir: Path, force: bool = False, regist
     )
     if not spec.supported:
         warnings.append(f"{decoder.__name__} cannot be adapted ({spec.reason}); the spec records supported = false")
-    verify = f"pipespec verify --architecture {lm_cls.__name__} --num-layers {num_layers} --pp 2"
+    try:  # the verify hint uses the real model's depth (the config's default), not the tiny test model's
+        full_depth = int(getattr(config_cls(), spec.num_layers_key))
+    except Exception:
+        full_depth = num_layers
+    verify = f"pipespec verify --architecture {lm_cls.__name__} --num-layers {full_depth} --pp 2"
     mapping = dict(getattr(config_cls, "attribute_map", {}) or {})
     values = _validated_template_values({
         "model_type": model_type, "name": spec.name, "spec_file": f"{model_type}.toml",
