@@ -27,6 +27,7 @@ that carries the marker is left as it is.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import libcst as cst
@@ -43,8 +44,9 @@ from pipespec.codemods.hf_forward_shape import (
     assigned_names,
     find_forward,
     names_in,
+    rotary_attrs,
 )
-from pipespec.spec import AdapterSpec
+from pipespec.spec import AdapterSpec, load_spec
 
 GENERATOR = "adapt_hf_stage_forward"
 GENERATOR_VERSION = 1
@@ -117,14 +119,62 @@ class _ReturnRewriter(cst.CSTTransformer):
         return cst.FlattenSentinel([bind, pair, plain])
 
 
+class _CaptureBeforeContinue(cst.CSTTransformer):
+    """Before each ``continue`` of the layer loop (LayerDrop), capture as the end of the body would.
+
+    A skipped layer leaves the stream unchanged, so its output id is the stream as it stands.
+    """
+
+    def __init__(self, capture: cst.BaseStatement) -> None:
+        super().__init__()
+        self.capture = capture
+        self.depth = 0
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False
+
+    def visit_For(self, node: cst.For) -> bool:
+        self.depth += 1
+        return True
+
+    def leave_For(self, original_node: cst.For, updated_node: cst.For) -> cst.For:
+        self.depth -= 1
+        return updated_node
+
+    def visit_While(self, node: cst.While) -> bool:
+        self.depth += 1
+        return True
+
+    def leave_While(self, original_node: cst.While, updated_node: cst.While) -> cst.While:
+        self.depth -= 1
+        return updated_node
+
+    def leave_SimpleStatementLine(
+        self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+    ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
+        if self.depth == 0 and any(isinstance(s, cst.Continue) for s in updated_node.body):
+            return cst.FlattenSentinel([self.capture.with_changes(leading_lines=updated_node.leading_lines), updated_node.with_changes(leading_lines=())])
+        return updated_node
+
+
 class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
     """Rewrite ``class_name.forward`` of an HF modeling module into a pipeline-stage forward."""
 
     DESCRIPTION = "Make an HF transformers decoder forward a pipeline stage that relays EAGLE3 aux hidden states."
     METADATA_DEPENDENCIES = (PositionProvider,)
 
-    def __init__(self, context: CodemodContext, class_name: str, spec: AdapterSpec, source: str | None = None) -> None:
+    @staticmethod
+    def add_args(arg_parser: argparse.ArgumentParser) -> None:
+        """For ``python -m libcst.tool codemod``: the class to adapt and its spec file."""
+        arg_parser.add_argument("--class-name", dest="class_name", required=True, help="decoder class to adapt")
+        arg_parser.add_argument("--spec", dest="spec", required=True, help="adapter spec (adapters/<name>.toml)")
+
+    def __init__(
+        self, context: CodemodContext, class_name: str, spec: AdapterSpec | str, source: str | None = None
+    ) -> None:
         super().__init__(context)
+        if isinstance(spec, str):
+            spec = load_spec(spec)
         self.class_name = class_name
         self.spec = spec
         module = context.full_module_name or spec.decoder_module
@@ -172,6 +222,7 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
                 layers_attr=spec.layers_attr,
                 embed_attr=spec.embed_attr,
                 norm_attr=spec.norm_attr,
+                shape_only_attrs=rotary_attrs(original_node),
                 line_of=self._line,
             )
         except AlreadyStageAware:
@@ -222,21 +273,22 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
         self, cls: cst.ClassDef, func: cst.FunctionDef, new_func: cst.FunctionDef, shape: ForwardShape
     ) -> cst.ClassDef:
         num_key = shape.loop.num_layers_key or self.spec.num_layers_key
+        body = list(cls.body.body)
+        at = 1 if body and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(value=m.SimpleString())])) else 0
         header = [
             _stmt(f"{SUPPORT_ATTR} = True\n").with_changes(
                 leading_lines=[
+                    *([cst.EmptyLine(indent=False)] if at else []),
                     _comment(
                         f"pipespec: adapted for pipeline stages by {GENERATOR} v{GENERATOR_VERSION} (spec {self.spec.name}); "
                         "do not edit by hand, regenerate with adapter-gen"
-                    )
+                    ),
                 ]
             ),
             _stmt(f"pipespec_num_layers_key = {json.dumps(num_key)}\n"),
             _stmt("pipespec_has_residual = False\n"),
             _stmt(f"{MARKER_ATTR} = {json.dumps(marker_text(self.source, self.spec))}\n"),
         ]
-        body = list(cls.body.body)
-        at = 1 if body and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(value=m.SimpleString())])) else 0
         body = [new_func if s is func else s for s in body]
         following = body[at] if at < len(body) else None
         if following is not None and not (following.leading_lines and not following.leading_lines[0].comment):
@@ -274,13 +326,14 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
         index_var = loop.index_var
         if index_var is None:
             index_var = "layer_idx" if "layer_idx" not in used else "pipespec_layer_idx"
-        body = list(_as_block(loop.node.body).body)
+        capture = _stmt(f"if {index_var} in self.aux_capture_after_layers:\n    {AUX_VAR}.append({stream})\n")
+        rewriter = _CaptureBeforeContinue(capture)
+        body = [stmt.visit(rewriter) for stmt in _as_block(loop.node.body).body]
+        body = [x for item in body for x in (item.nodes if isinstance(item, cst.FlattenSentinel) else [item])]
         if loop.form != "range" and loop.layer_var is not None:
             body.insert(0, _stmt(f"{loop.layer_var} = self.{loop.layers_attr}[{index_var}]\n"))
         body.append(
-            _stmt(f"if {index_var} in self.aux_capture_after_layers:\n    {AUX_VAR}.append({stream})\n").with_changes(
-                leading_lines=[_comment(f"pipespec: aux id {index_var} + 1 is the output of this layer")]
-            )
+            capture.with_changes(leading_lines=[_comment(f"pipespec: aux id {index_var} + 1 is the output of this layer")])
         )
         new_loop = loop.node.with_changes(
             target=cst.Name(index_var),
@@ -308,6 +361,8 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
         new[loop.index] = [*before_loop, new_loop, after_loop]
 
         # epilogue: returns
+        if loop.index + 1 < len(stmts) and not stmts[loop.index + 1].leading_lines:
+            stmts[loop.index + 1] = stmts[loop.index + 1].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
         for j in range(loop.index + 1, len(stmts)):
             rewritten = stmts[j].visit(_ReturnRewriter())
             new[j] = list(rewritten.nodes) if isinstance(rewritten, cst.FlattenSentinel) else rewritten  # type: ignore[assignment]

@@ -11,14 +11,14 @@ A forward we can adapt has three parts around ONE top-level loop over the decode
         hidden_states = decoder_layer(hidden_states, ...)         # the residual stream
     <epilogue>   final norm, return the model output
 
-Everything else (several loops over the stack, ``continue`` in the loop, layers that read
+Everything else (several loops over the stack, ``break`` in the loop, layers that read
 ``input_ids``, tensors derived from the embedding and fed to every layer) is a ``ShapeError`` whose
 message is the specific, true reason a stage forward cannot be generated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -26,18 +26,6 @@ import libcst.matchers as m
 
 #: Config keys that hold the number of decoder layers in HF configs we have seen.
 LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_blocks")
-
-#: Calls in the prologue that read a tensor only for its shape, dtype or device; a name bound to
-#: their result may depend on the received hidden states without carrying their values.
-SHAPE_ONLY_CALLS = (
-    "create_causal_mask",
-    "create_sliding_window_causal_mask",
-    "create_chunked_causal_mask",
-    "create_recurrent_attention_mask",
-    "create_bidirectional_mask",
-    "create_masks_for_generate",
-)
-
 
 class ShapeError(Exception):
     """The forward has a shape the HF codemod cannot adapt; ``str(exc)`` says which and where."""
@@ -112,8 +100,57 @@ def code(node: cst.CSTNode) -> str:
 
 
 def names_in(node: cst.CSTNode) -> set[str]:
-    """Every bare ``Name`` used anywhere in ``node``."""
-    return {n.value for n in m.findall(node, m.Name())}
+    """Every variable name used (read or bound) in ``node``; not attribute or keyword-argument names."""
+    return {n.value for n in _variable_names(node)}
+
+
+def _variable_names(node: cst.CSTNode) -> list[cst.Name]:
+    out: list[cst.Name] = []
+
+    def visit(n: cst.CSTNode) -> None:
+        if isinstance(n, cst.Name):
+            out.append(n)
+            return
+        for child in n.children:
+            if isinstance(n, cst.Attribute) and child is n.attr:
+                continue
+            if isinstance(n, cst.Arg) and child is n.keyword:
+                continue
+            if isinstance(n, (cst.FunctionDef, cst.ClassDef)) and child is n.name:
+                continue
+            visit(child)
+
+    visit(node)
+    return out
+
+
+def read_names(node: cst.CSTNode) -> set[str]:
+    """Names ``node`` reads (binding targets of ``=``, ``for``, ``:=`` and ``as`` excluded; ``+=`` reads)."""
+    targets: set[int] = set()
+    for n in walk(node):
+        bound: list[cst.CSTNode] = []
+        if isinstance(n, cst.Assign):
+            bound = [t.target for t in n.targets]
+        elif isinstance(n, cst.AnnAssign):
+            bound = [n.target]
+        elif isinstance(n, (cst.For, cst.CompFor)):
+            bound = [n.target]
+        elif isinstance(n, cst.NamedExpr):
+            bound = [n.target]
+        elif isinstance(n, cst.AsName):
+            bound = [n.name]
+        for b in bound:
+            for t in walk(b):
+                if isinstance(t, cst.Name) and not _is_attr_or_subscript_base(b, t):
+                    targets.add(id(t))
+    return {n.value for n in _variable_names(node) if id(n) not in targets}
+
+
+def _is_attr_or_subscript_base(target: cst.CSTNode, name: cst.Name) -> bool:
+    """In ``x.a = ...`` or ``x[i] = ...`` the target reads ``x`` (and ``i``) rather than binding it."""
+    return not isinstance(target, (cst.Name, cst.Tuple, cst.List, cst.StarredElement)) or any(
+        isinstance(n, (cst.Attribute, cst.Subscript)) and name in set(walk(n)) for n in walk(target)
+    )
 
 
 def walk(node: cst.CSTNode, *, into_functions: bool = False) -> Iterator[cst.CSTNode]:
@@ -324,7 +361,7 @@ def _stream_of(calls: Sequence[cst.Call]) -> str | None:
 
 
 def _loop_control(body: cst.CSTNode) -> list[cst.CSTNode]:
-    """``break``/``continue``/``return``/``yield`` that leave the layer loop (not inner loops)."""
+    """``break``/``continue``/``return``/``yield`` of the layer loop itself (not of inner loops)."""
     found: list[cst.CSTNode] = []
 
     def visit(node: cst.CSTNode, in_inner_loop: bool) -> None:
@@ -342,6 +379,21 @@ def _loop_control(body: cst.CSTNode) -> list[cst.CSTNode]:
 
 
 # ----------------------------------------------------------------------------- the whole forward
+def rotary_attrs(cls: cst.ClassDef) -> set[str]:
+    """``self`` attributes that ``__init__`` builds from a rotary-embedding class (``*Rotary*``/``*Rope*``)."""
+    out: set[str] = set()
+    for stmt in cls.body.body:
+        if not (isinstance(stmt, cst.FunctionDef) and stmt.name.value == "__init__"):
+            continue
+        for n in walk(stmt):
+            if isinstance(n, cst.Assign) and len(n.targets) == 1 and isinstance(n.value, cst.Call):
+                attr = self_attr(n.targets[0].target)
+                callee = (dotted(n.value.func) or "").rsplit(".", 1)[-1].lower()
+                if attr is not None and ("rotary" in callee or "rope" in callee):
+                    out.add(attr)
+    return out
+
+
 def find_forward(cls: cst.ClassDef) -> cst.FunctionDef | None:
     for stmt in cls.body.body:
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
@@ -355,9 +407,14 @@ def analyze_forward(
     layers_attr: str | None = None,
     embed_attr: str | None = None,
     norm_attr: str | None = None,
+    shape_only_attrs: Iterable[str] = (),
     line_of: Callable[[cst.CSTNode], int | None] = lambda node: None,
 ) -> ForwardShape:
-    """Analyse ``func``; attributes left ``None`` are detected. Raises ``ShapeError``/``AlreadyStageAware``."""
+    """Analyse ``func``; attributes left ``None`` are detected. Raises ``ShapeError``/``AlreadyStageAware``.
+
+    ``shape_only_attrs``: ``self`` attributes whose call reads tensors only for shape/dtype/device
+    (rotary embeddings; see ``rotary_attrs``).
+    """
     params = _params(func)
     if "intermediate_tensors" in params:
         raise AlreadyStageAware()
@@ -413,7 +470,7 @@ def analyze_forward(
     loop = loops[0]
     if loop.node.orelse is not None:
         raise ShapeError("the layer loop has an `else:` clause", line_of(loop.node))
-    control = _loop_control(loop.node.body)
+    control = [n for n in _loop_control(loop.node.body) if not isinstance(n, cst.Continue)]
     if control:
         kind = type(control[0]).__name__.lower()
         raise ShapeError(
@@ -437,7 +494,7 @@ def analyze_forward(
 
     # --- the embedding lookup
     prologue = stmts[body_start : loop.index]
-    embed_index, found_attr, conditional = _find_embedding(prologue, embed_attr)
+    embed_index, found_attr, conditional = _find_embedding(prologue, embed_attr, loop.stream)
     if embed_index is None:
         what = f"self.{embed_attr}(...)" if embed_attr else "self.<embedding>(input_ids)"
         raise ShapeError(f"no embedding lookup {what} before the layer loop", line_of(func))
@@ -457,7 +514,8 @@ def analyze_forward(
         decorators=tuple(decorator_name(d) for d in func.decorators),
     )
     _classify_prologue(shape, stmts, line_of)
-    _check_embedding_derived_inputs(shape, stmts, line_of)
+    _check_loop_carried(shape, stmts, line_of)
+    _check_stage_inputs(shape, stmts, line_of, set(shape_only_attrs))
 
     # --- the epilogue
     epilogue = stmts[loop.index + 1 :]
@@ -472,25 +530,41 @@ def analyze_forward(
     return shape
 
 
-def _find_embedding(prologue: Sequence[cst.BaseStatement], embed_attr: str | None) -> tuple[int | None, str | None, bool]:
-    """(index in prologue, attr, under `if inputs_embeds is None`) of the first embedding lookup."""
-    for i, stmt in enumerate(prologue):
-        for n in walk(stmt):
-            if not isinstance(n, cst.Call):
-                continue
-            attr = self_attr(n.func)
-            if attr is None:
-                continue
-            if embed_attr is not None:
-                if attr != embed_attr:
+def _find_embedding(
+    prologue: Sequence[cst.BaseStatement], embed_attr: str | None, stream: str
+) -> tuple[int | None, str | None, bool]:
+    """(index in prologue, attr, under ``if inputs_embeds is None``) of the embedding lookup.
+
+    With ``embed_attr`` (from a spec): the first call ``self.<embed_attr>(...)``. Without: the first
+    ``inputs_embeds = self.<x>(... input_ids ...)``, else the first ``<stream> = self.<x>(... input_ids ...)``
+    (a method such as ``self.warn_if_padding_and_no_attention_mask(input_ids, ...)`` is neither).
+    """
+    if embed_attr is not None:
+        for i, stmt in enumerate(prologue):
+            for n in walk(stmt):
+                if isinstance(n, cst.Call) and self_attr(n.func) == embed_attr:
+                    return i, embed_attr, _under_inputs_embeds_none(stmt)
+        return None, None, False
+    for target in ("inputs_embeds", stream):
+        for i, stmt in enumerate(prologue):
+            for n in walk(stmt):
+                if not isinstance(n, (cst.Assign, cst.AnnAssign)):
                     continue
-            elif not (n.args and isinstance(n.args[0].value, cst.Name) and n.args[0].value.value == "input_ids"):
-                continue
-            conditional = m.matches(
-                stmt, m.If(test=m.Comparison(left=m.Name("inputs_embeds"), comparisons=[m.ComparisonTarget(m.Is(), m.Name("None"))]))
-            )
-            return i, attr, conditional
+                targets = [t.target for t in n.targets] if isinstance(n, cst.Assign) else [n.target]
+                if not any(m.matches(t, m.Name(target)) for t in targets) or n.value is None:
+                    continue
+                for call in walk(n.value):
+                    if isinstance(call, cst.Call) and self_attr(call.func) is not None and any(
+                        "input_ids" in names_in(a.value) for a in call.args
+                    ):
+                        return i, self_attr(call.func), _under_inputs_embeds_none(stmt)
     return None, None, False
+
+
+def _under_inputs_embeds_none(stmt: cst.BaseStatement) -> bool:
+    return m.matches(
+        stmt, m.If(test=m.Comparison(left=m.Name("inputs_embeds"), comparisons=[m.ComparisonTarget(m.Is(), m.Name("None"))]))
+    )
 
 
 def _classify_prologue(shape: ForwardShape, stmts: Sequence[cst.BaseStatement], line_of: Callable[[cst.CSTNode], int | None]) -> None:
@@ -534,77 +608,185 @@ def _classify_prologue(shape: ForwardShape, stmts: Sequence[cst.BaseStatement], 
         raise ShapeError(f"`{stream}` is never bound before the layer loop", line_of(shape.loop.node))
 
 
-def _check_embedding_derived_inputs(
-    shape: ForwardShape, stmts: Sequence[cst.BaseStatement], line_of: Callable[[cst.CSTNode], int | None]
-) -> None:
-    """Refuse forwards that feed every layer a tensor computed from the embeddings or ``input_ids``.
-
-    On a later stage such a tensor would be computed from the received hidden states (or from no
-    ``input_ids`` at all) instead of from the embedding: silently wrong, so decline.
-    """
-    stream = shape.loop.stream
-    loop_names = names_in(shape.loop.node.body)
-    guarded = set(shape.first_stage_only)
-    for i in range(shape.embed_index + 1, shape.loop.index):
-        if i in guarded:
-            continue
-        stmt = stmts[i]
-        bound = assigned_names(stmt) - {stream, "inputs_embeds"}
-        if not bound & loop_names:
-            continue
-        reads = names_in(stmt)
-        if "input_ids" in reads and not _only_checks_input_ids(stmt):
-            raise ShapeError(
-                f"{', '.join(sorted(bound & loop_names))} is computed from input_ids and used by every layer: "
-                "a later stage has no input_ids",
-                line_of(stmt),
-            )
-        if not reads & {stream, "inputs_embeds"}:
-            continue
-        if _shape_only(stmt, {stream, "inputs_embeds"}):
-            continue
-        raise ShapeError(
-            f"{', '.join('`' + x + '`' for x in sorted(bound & loop_names))} is computed from the embeddings and "
-            "passed to every layer: a later stage would compute it from the received hidden states instead",
-            line_of(stmt),
-        )
+def _is_none_test(node: cst.CSTNode, name: str, op: type[cst.BaseCompOp]) -> bool:
+    return m.matches(node, m.Comparison(left=m.Name(name), comparisons=[m.ComparisonTarget(m.TypeOf(op)(), m.Name("None"))]))  # type: ignore[operator]
 
 
-def _only_checks_input_ids(stmt: cst.BaseStatement) -> bool:
-    """``input_ids`` appears only in ``input_ids is (not) None`` tests."""
-    uses = [n for n in walk(stmt) if isinstance(n, cst.Name) and n.value == "input_ids"]
-    checks = [
-        n
-        for n in walk(stmt)
-        if m.matches(n, m.Comparison(left=m.Name("input_ids"), comparisons=[m.ComparisonTarget(m.Is() | m.IsNot(), m.Name("None"))]))
-    ]
-    return len(uses) == len(checks)
+def _unreachable_on_later_stages(test: cst.BaseExpression) -> bool:
+    """A branch test that is false on a later stage (there ``input_ids is None`` and ``inputs_embeds`` is set)."""
+    parts: list[cst.BaseExpression] = [test]
+    while parts:
+        node = parts.pop()
+        if isinstance(node, cst.BooleanOperation) and isinstance(node.operator, cst.And):
+            parts += [node.left, node.right]
+        elif _is_none_test(node, "input_ids", cst.IsNot) or _is_none_test(node, "inputs_embeds", cst.Is):
+            return True
+    return False
 
 
-def _shape_only(stmt: cst.BaseStatement, tensors: set[str]) -> bool:
-    """Every read of ``tensors`` in ``stmt`` is an argument of a call that uses only shape/dtype/device.
+def _reachable_reads(stmt: cst.CSTNode) -> list[cst.Name]:
+    """Names ``stmt`` reads on a later stage: skips branches that cannot run there and ``x is None`` tests."""
+    out: list[cst.Name] = []
 
-    Such calls are the mask builders, rotary embeddings (``self.rotary_emb(hidden_states, ...)``
-    reads the dtype/device) and attribute reads like ``x.shape``/``x.dtype``/``x.device``.
+    def visit(node: cst.CSTNode) -> None:
+        if isinstance(node, (cst.FunctionDef, cst.ClassDef)):
+            return
+        if isinstance(node, cst.If):
+            visit(node.test)
+            if not _unreachable_on_later_stages(node.test):
+                visit(node.body)
+            if node.orelse is not None:
+                visit(node.orelse)
+            return
+        if isinstance(node, cst.Comparison) and (
+            _is_none_test(node, "input_ids", cst.Is) or _is_none_test(node, "input_ids", cst.IsNot)
+        ):
+            return
+        if isinstance(node, cst.Name):
+            out.append(node)
+        elif isinstance(node, cst.Attribute):
+            visit(node.value)
+            return
+        elif isinstance(node, cst.Arg):
+            visit(node.value)
+            return
+        for child in node.children:
+            visit(child)
+
+    visit(stmt)
+    return out
+
+
+def _shape_only_ids(stmt: cst.CSTNode, shape_only_attrs: set[str]) -> set[int]:
+    """ids of Name nodes in ``stmt`` read only for shape, dtype or device.
+
+    Those are: ``x.shape``/``x.dtype``/``x.device``/``x.size``/``x.ndim``; every argument of a mask
+    builder (any callee whose name contains "mask") or of a rotary embedding (``self.rotary_emb`` or an
+    attribute ``__init__`` builds from a ``*Rotary*`` class: it reads the input's dtype and device); the
+    ``"inputs_embeds": inputs_embeds`` entry of a ``mask_kwargs`` dict.
     """
     allowed: set[int] = set()
     for n in walk(stmt):
         if isinstance(n, cst.Attribute) and n.attr.value in ("shape", "dtype", "device", "size", "ndim") and isinstance(n.value, cst.Name):
             allowed.add(id(n.value))
-        if isinstance(n, cst.Call):
+        elif isinstance(n, cst.Call):
             fname = dotted(n.func) or ""
             short = fname.rsplit(".", 1)[-1]
-            if short in SHAPE_ONLY_CALLS or "rotary" in fname:
-                for sub in walk(n):
-                    if isinstance(sub, cst.Name):
-                        allowed.add(id(sub))
-        if isinstance(n, cst.Dict):
-            # `mask_kwargs = {"inputs_embeds": inputs_embeds, ...}` feeds the mask builders
-            for el in n.elements:
-                if isinstance(el, cst.DictElement) and isinstance(el.value, cst.Name):
-                    allowed.add(id(el.value))
-    reads = [n for n in walk(stmt) if isinstance(n, cst.Name) and n.value in tensors]
-    return all(id(n) in allowed for n in reads)
+            if "mask" in short.lower() or "rotary" in short.lower() or self_attr(n.func) in shape_only_attrs:
+                allowed.update(id(sub) for sub in walk(n) if isinstance(sub, cst.Name))
+        elif isinstance(n, cst.DictElement) and m.matches(
+            n, m.DictElement(key=m.SimpleString('"inputs_embeds"') | m.SimpleString("'inputs_embeds'"), value=m.Name())
+        ):
+            allowed.add(id(n.value))
+    return allowed
+
+
+def _check_stage_inputs(
+    shape: ForwardShape,
+    stmts: Sequence[cst.BaseStatement],
+    line_of: Callable[[cst.CSTNode], int | None],
+    shape_only_attrs: set[str],
+) -> None:
+    """Refuse forwards that feed the layers a tensor computed from the embeddings' values or ``input_ids``.
+
+    On a later stage such a tensor would be computed from the received hidden states (or from no
+    ``input_ids`` at all) instead of from the embedding: silently wrong, so decline. Tracks derivation
+    through the prologue (``a = f(inputs_embeds)``, ``b = g(a)``, layer reads ``b``).
+    """
+    stream = shape.loop.stream
+    tensors = {stream, "inputs_embeds"}
+    guarded = set(shape.first_stage_only) | {shape.embed_index}
+    taint: dict[str, tuple[str, int | None]] = {}
+    for i in range(shape.body_start, shape.loop.index):
+        if i in guarded:
+            continue
+        stmt = stmts[i]
+        allowed = _shape_only_ids(stmt, shape_only_attrs)
+        reads = {n.value for n in _reachable_reads(stmt) if id(n) not in allowed}
+        why: str | None = None
+        if "input_ids" in reads:
+            why = "input_ids"
+        elif reads & tensors:
+            why = "the embeddings"
+        else:
+            for name in sorted(reads & taint.keys()):
+                why = taint[name][0]
+                break
+        if why is None:
+            continue
+        for name in assigned_names(stmt) - tensors - {"input_ids"}:
+            taint.setdefault(name, (why, line_of(stmt)))
+    loop_names = read_names(shape.loop.node.body) - {shape.loop.layer_var, shape.loop.index_var}
+    for name in sorted(loop_names & taint.keys()):
+        why, line = taint[name]
+        if why == "input_ids":
+            raise ShapeError(f"`{name}` is computed from input_ids and used by the layers: a later stage has no input_ids", line)
+        raise ShapeError(
+            f"`{name}` is computed from the embeddings and passed to the layers: a later stage would compute it "
+            "from the received hidden states instead",
+            line,
+        )
+
+
+def _check_loop_carried(shape: ForwardShape, stmts: Sequence[cst.BaseStatement], line_of: Callable[[cst.CSTNode], int | None]) -> None:
+    """Refuse loops that carry state from layer to layer besides the stream (it would not cross a stage).
+
+    A name is carried when a statement of the loop body reads it before any earlier statement of the
+    body binds it, while the body does bind it (``x = f(x)``, ``state = layer(h, state)``), or when the
+    body binds it and the code after the loop reads it. ``all_*`` accumulators (HF's old
+    ``output_hidden_states``/``output_attentions`` tuples) are allowed: they only feed optional outputs,
+    which an adapted stage does not promise.
+    """
+    loop = shape.loop
+    own = {loop.stream, loop.layer_var, loop.index_var}
+    body = list(_body_statements(loop.node.body))
+    body_assigned = assigned_names(loop.node.body) - own
+    after: set[str] = set()
+    for stmt in stmts[loop.index + 1 :]:
+        after |= read_names(stmt)
+    carried = _reads_before_binding(body, set(), body_assigned)
+    carried += sorted(body_assigned & after)
+    for name in carried:
+        if name.startswith("all_"):
+            continue
+        raise ShapeError(
+            f"the layer loop carries `{name}` from layer to layer besides `{loop.stream}`: a stage boundary "
+            "would drop it",
+            line_of(loop.node),
+        )
+
+
+def _reads_before_binding(stmts: Sequence[cst.BaseStatement], bound: set[str], watched: set[str]) -> list[str]:
+    """Names in ``watched`` that ``stmts`` read before binding them, statement by statement, into branches."""
+    found: list[str] = []
+    bound = set(bound)
+    for stmt in stmts:
+        if isinstance(stmt, (cst.If, cst.While)):
+            found += sorted((read_names(stmt.test) & watched) - bound)
+            found += _reads_before_binding(_body_statements(stmt.body), bound, watched)
+            orelse = stmt.orelse
+            while orelse is not None:
+                if isinstance(orelse, cst.If):
+                    found += sorted((read_names(orelse.test) & watched) - bound)
+                    found += _reads_before_binding(_body_statements(orelse.body), bound, watched)
+                    orelse = orelse.orelse
+                else:
+                    found += _reads_before_binding(_body_statements(orelse.body), bound, watched)
+                    orelse = None
+        elif isinstance(stmt, cst.With):
+            found += sorted((set().union(*(read_names(i.item) for i in stmt.items)) & watched) - bound)
+            found += _reads_before_binding(_body_statements(stmt.body), bound | set().union(*(assigned_names(i) for i in stmt.items)), watched)
+        else:
+            found += sorted((read_names(stmt) & watched) - bound)
+        bound |= assigned_names(stmt)
+    return found
+
+
+def _body_statements(body: cst.BaseSuite) -> Sequence[cst.BaseStatement]:
+    if isinstance(body, cst.IndentedBlock):
+        return body.body
+    assert isinstance(body, cst.SimpleStatementSuite)
+    return [cst.SimpleStatementLine(body=body.body)]
 
 
 def _find_norm(epilogue: Sequence[cst.BaseStatement], stream: str, norm_attr: str | None) -> str | None:

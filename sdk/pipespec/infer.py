@@ -27,6 +27,7 @@ from pipespec.codemods.hf_forward_shape import (
     analyze_forward,
     dotted,
     find_forward,
+    rotary_attrs,
     walk,
 )
 from pipespec.errors import UnsupportedModelError, UsageError
@@ -122,7 +123,7 @@ def infer_spec(
     try:
         if func is None:
             raise ShapeError(f"{shown} does not define forward")
-        shape = analyze_forward(func)
+        shape = analyze_forward(func, shape_only_attrs=rotary_attrs(node))
     except AlreadyStageAware:
         return AdapterSpec(
             supported=False,
@@ -166,39 +167,76 @@ def causal_lm_class_for_model_type(model_type: str) -> type:
         raise UnsupportedModelError(f"transformers cannot import {name} for model type {model_type!r}: {exc}") from None
 
 
+def _assigned_class(klass: type, attr: str) -> type | None:
+    """The class ``klass.__init__`` instantiates into ``self.<attr>`` (``self.decoder = BartDecoder(config)``)."""
+    init = klass.__dict__.get("__init__")
+    if init is None:
+        return None
+    try:
+        source = textwrap.dedent(inspect.getsource(init))
+    except (OSError, TypeError):
+        return None
+    module = importlib.import_module(klass.__module__)
+    for n in walk(cst.parse_module(source), into_functions=True):
+        if isinstance(n, cst.Assign) and len(n.targets) == 1 and dotted(n.targets[0].target) == f"self.{attr}":
+            if isinstance(n.value, cst.Call):
+                name = dotted(n.value.func)
+                found = getattr(module, name, None) if name and "." not in name else None
+                if isinstance(found, type):
+                    return found
+    return None
+
+
+def follow_delegate(cls: type) -> type:
+    """For a wrapper whose forward is ``return self.<x>(*args, **kwargs)``, the class of ``self.<x>``.
+
+    transformers' ``BartDecoderWrapper`` & co. exist only to hold the real decoder under a name; the
+    layers, and the forward to adapt, are in the wrapped class.
+    """
+    owner = forward_owner(cls)
+    try:
+        source = textwrap.dedent(inspect.getsource(owner.__dict__["forward"]))
+    except (OSError, TypeError):
+        return cls
+    func = next((n for n in walk(cst.parse_module(source), into_functions=True) if isinstance(n, cst.FunctionDef)), None)
+    if func is None or not isinstance(func.body, cst.IndentedBlock):
+        return cls
+    body = [s for s in func.body.body if not m.matches(s, m.SimpleStatementLine(body=[m.Expr(m.SimpleString())]))]
+    pattern = m.SimpleStatementLine(
+        body=[m.Return(value=m.Call(func=m.Attribute(value=m.Name("self")), args=[m.Arg(star="*"), m.Arg(star="**")]))]
+    )
+    if len(body) != 1 or not m.matches(body[0], pattern):
+        return cls
+    attr = body[0].body[0].value.func.attr.value  # type: ignore[attr-defined]
+    for klass in cls.__mro__:
+        found = _assigned_class(klass, attr)
+        if found is not None:
+            return found
+    return cls
+
+
 def decoder_class_for_model_type(model_type: str) -> type:
     """The decoder-stack class a causal LM of ``model_type`` wraps (``"llama"`` → ``LlamaModel``).
 
     Read from the causal-LM class's ``__init__``: ``self.<base_model_prefix> = <Decoder>(config)``, the
-    name resolved in that class's module; else ``MODEL_MAPPING_NAMES[model_type]``.
+    name resolved in that class's module; else ``MODEL_MAPPING_NAMES[model_type]``. A wrapper that only
+    delegates (``BartDecoderWrapper``) is followed to the class it wraps.
     """
     lm_cls = causal_lm_class_for_model_type(model_type)
     prefix = getattr(lm_cls, "base_model_prefix", "model") or "model"
     for klass in lm_cls.__mro__:
-        if "__init__" not in klass.__dict__ or klass.__module__.startswith("torch"):
-            continue
-        try:
-            source = textwrap.dedent(inspect.getsource(klass.__dict__["__init__"]))
-        except (OSError, TypeError):
-            continue
-        module = importlib.import_module(klass.__module__)
-        for n in walk(cst.parse_module(source), into_functions=True):
-            if not isinstance(n, cst.Assign) or len(n.targets) != 1:
-                continue
-            if dotted(n.targets[0].target) != f"self.{prefix}" or not isinstance(n.value, cst.Call):
-                continue
-            name = dotted(n.value.func)
-            found = getattr(module, name, None) if name and "." not in name else None
-            if isinstance(found, type):
-                return found
-        break
+        if "__init__" in klass.__dict__ and not klass.__module__.startswith("torch"):
+            found = _assigned_class(klass, prefix)
+            if found is not None:
+                return follow_delegate(found)
+            break
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     base = MODEL_MAPPING_NAMES.get(model_type)
     transformers = importlib.import_module("transformers")
     found = getattr(transformers, base, None) if isinstance(base, str) else None
     if isinstance(found, type):
-        return found
+        return follow_delegate(found)
     raise UnsupportedModelError(
         f"cannot find the decoder class of {lm_cls.__name__} (model type {model_type!r}): its __init__ does not "
         f"assign self.{prefix} = <DecoderClass>(config) and MODEL_MAPPING_NAMES has no entry"
