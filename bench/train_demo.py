@@ -1,0 +1,490 @@
+"""Train the demo pair that `make demo` ships: a small Llama target and its EAGLE3 draft.
+
+Reproduces ``sdk/pipespec/demo/`` from nothing but the Python standard library's own source (every
+machine with Python has it), seeded::
+
+    python bench/train_demo.py --out /tmp/demo --quick            # ~1-2 min on 2 CPU cores: smoke size
+    python bench/train_demo.py --out /tmp/demo --device cuda      # the shipped size (a few min on one GPU)
+
+Steps, each timed in ``metrics.json``:
+
+1. corpus: ``Lib/**/*.py`` of the running interpreter's stdlib (site-packages excluded), split into
+   train and held-out files by a hash of the relative path, so the split does not depend on file order;
+2. tokenizer: byte-level BPE trained with ``tokenizers``, saved as a ``PreTrainedTokenizerFast``
+   (``AutoTokenizer.from_pretrained(target_dir)`` loads it);
+3. target: ``LlamaForCausalLM`` (≤ 4M parameters, tied embedding), next-token cross-entropy;
+4. draft: EAGLE3 (``pipespec.engine.draft``) on the frozen target's aux states at the default ids
+   ``(2, N//2, N-3)``, trained to match the target's next-next-token distribution over a pruned draft
+   vocabulary (the most frequent tokens, mapped back by ``d2t``), with ``--ttt-steps`` unrolled steps of
+   test-time training: step i feeds the draft its own step i-1 output and attends to the verified
+   positions plus its own earlier steps of the same chain — exactly what the draft's KV cache holds at
+   inference;
+5. export: target as an HF checkpoint (fp16) + tokenizer, draft in Format B (fp16, no ``embed_tokens``:
+   it shares the target's), both reloaded from disk for the evaluation;
+6. evaluation: greedy speculative decoding in one process (``reference_speculative_generate``) on
+   held-out prompts at k = 3 and 5: mean acceptance length (tokens per verify step, accepted drafts + 1)
+   and a check that every output equals the target's plain greedy output.
+
+The corpus is the stdlib of the Python that runs the script, so figures differ slightly between Python
+versions; ``metrics.json`` records the version, torch version, device, preset, and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import platform
+import sys
+import sysconfig
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig
+from pipespec.engine.draft_checkpoint import TargetInfo, load_draft_checkpoint, save_draft_checkpoint
+from pipespec.engine.testing import reference_speculative_generate, target_aux_states
+from pipespec.layout import eagle3_default_aux_ids
+
+EOS = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Every size and step count of one training run."""
+
+    max_corpus_chars: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    seq_len: int
+    batch_size: int
+    target_steps: int
+    target_lr: float
+    draft_vocab_size: int
+    draft_intermediate_size: int
+    draft_steps: int
+    draft_lr: float
+    ttt_steps: int
+    eval_prompts: int
+    eval_prompt_len: int
+    eval_new_tokens: int
+
+
+PRESETS = {
+    "quick": Preset(
+        max_corpus_chars=400_000, vocab_size=320, hidden_size=48, num_layers=8, num_heads=4, num_kv_heads=2,
+        intermediate_size=96, seq_len=64, batch_size=8, target_steps=120, target_lr=4e-3,
+        draft_vocab_size=192, draft_intermediate_size=96, draft_steps=60, draft_lr=3e-3, ttt_steps=2,
+        eval_prompts=3, eval_prompt_len=32, eval_new_tokens=24,
+    ),
+    "full": Preset(
+        max_corpus_chars=40_000_000, vocab_size=1024, hidden_size=192, num_layers=8, num_heads=6, num_kv_heads=2,
+        intermediate_size=512, seq_len=256, batch_size=64, target_steps=6000, target_lr=2e-3,
+        draft_vocab_size=512, draft_intermediate_size=512, draft_steps=5000, draft_lr=1.5e-3, ttt_steps=3,
+        eval_prompts=24, eval_prompt_len=64, eval_new_tokens=96,
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------------- corpus
+def load_corpus(max_chars: int, holdout_every: int = 40) -> tuple[list[str], list[str], dict[str, Any]]:
+    """Stdlib ``.py`` sources: (train texts, held-out texts, a description). Deterministic order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "__pycache__" not in p.parts)
+    train: list[str] = []
+    held: list[str] = []
+    total = 0
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        bucket = int(hashlib.sha256(rel.encode()).hexdigest(), 16) % holdout_every
+        if bucket == 0:
+            held.append(text)
+        elif total < max_chars:
+            train.append(text)
+            total += len(text)
+    info = {"root": str(root), "files": len(files), "train_files": len(train), "heldout_files": len(held),
+            "train_chars": total}
+    return train, held, info
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Any:
+    """Byte-level BPE over the training texts, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, model_max_length=1 << 30)
+
+
+def encode_stream(tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
+    """All texts as one token stream, documents separated by EOS."""
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    ids: list[int] = []
+    for enc in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def eval_prompts(tokenizer: Any, texts: Sequence[str], count: int, length: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` tokens from held-out files, each starting at a line start."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    prompts: list[list[int]] = []
+    order = torch.randperm(len(texts), generator=gen).tolist()
+    for i in order:
+        text = texts[i]
+        lines = text.splitlines(keepends=True)
+        if len(lines) < 40:
+            continue
+        start = int(torch.randint(0, len(lines) - 30, (1,), generator=gen))
+        ids = tokenizer("".join(lines[start:]), add_special_tokens=False)["input_ids"][:length]
+        if len(ids) == length:
+            prompts.append(ids)
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+# ------------------------------------------------------------------------------------- training
+def batches(stream: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator, device: str) -> torch.Tensor:
+    starts = torch.randint(0, stream.numel() - seq_len - 1, (batch,), generator=gen)
+    rows = torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()])
+    return rows.long().to(device)
+
+
+def lr_at(step: int, total: int, peak: float) -> float:
+    """Linear warm-up over 5% of the steps, then cosine decay to 10% of the peak."""
+    warm = max(1, total // 20)
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def _autocast(device: str) -> Any:
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
+
+
+def make_target(p: Preset, vocab: int, eos_id: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=p.hidden_size, num_hidden_layers=p.num_layers, num_attention_heads=p.num_heads,
+        num_key_value_heads=p.num_kv_heads, intermediate_size=p.intermediate_size, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.02, rope_theta=10000.0,
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None,
+    )
+    return LlamaForCausalLM(config)
+
+
+def train_target(model: Any, stream: torch.Tensor, p: Preset, device: str, seed: int, log: Any) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed + 1)
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=p.target_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    t0 = time.perf_counter()
+    losses: list[float] = []
+    for step in range(p.target_steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, p.target_steps, p.target_lr)
+        rows = batches(stream, p.batch_size, p.seq_len, gen, device)
+        with _autocast(device):
+            logits = model(input_ids=rows[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % max(1, p.target_steps // 10) == 0 or step == p.target_steps - 1:
+            log(f"target step {step:5d}/{p.target_steps}  loss {sum(losses[-50:]) / len(losses[-50:]):.3f}  "
+                f"{time.perf_counter() - t0:6.1f}s")
+    model.eval()
+    return {"final_loss": sum(losses[-50:]) / len(losses[-50:]), "seconds": time.perf_counter() - t0}
+
+
+def draft_vocabulary(stream: torch.Tensor, vocab: int, size: int) -> torch.Tensor:
+    """The ``size`` most frequent target ids in the training stream, sorted (EAGLE3's vocabulary pruning)."""
+    counts = torch.bincount(stream.long(), minlength=vocab)
+    return counts.topk(size).indices.sort().values
+
+
+def make_draft(p: Preset, target_config: Any, draft_ids: torch.Tensor, aux_ids: Sequence[int]) -> Eagle3Draft:
+    config = Eagle3DraftConfig.make(
+        hidden_size=p.hidden_size, num_attention_heads=p.num_heads, num_key_value_heads=p.num_kv_heads,
+        intermediate_size=p.draft_intermediate_size, vocab_size=int(target_config.vocab_size),
+        draft_vocab_size=int(draft_ids.numel()), target_hidden_size=int(target_config.hidden_size),
+        num_aux=len(aux_ids), rms_norm_eps=1e-5, max_position_embeddings=1024, rope_theta=10000.0,
+    )
+    draft = Eagle3Draft(config, with_embedding=False)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
+        draft.d2t.copy_(draft_ids - torch.arange(draft_ids.numel()))
+        draft.t2d.zero_()
+        draft.t2d[draft_ids] = True
+    return draft
+
+
+def ttt_logits(draft: Eagle3Draft, feats: torch.Tensor, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Draft logits for ``steps`` unrolled steps over every root position at once.
+
+    Root ``t`` (0 ≤ t ≤ T-2) at step i sits at position ``t + i``, reads token ``x_{t+1+i}`` and
+    predicts ``x_{t+2+i}``; its hidden input is ``fc(aux_t)`` at step 0 and its own step i-1 output
+    after. It attends to step-0 keys of roots ``≤ t`` (the verified positions at inference) and to its
+    own chain's keys of steps 1..i (the draft's speculative cache entries) — the diagonal of each step.
+    Tokens past the end are padding; the caller masks their labels.
+    """
+    layer = draft.midlayer
+    bsz, length = ids.shape
+    roots = length - 1
+    groups = layer.num_heads // layer.num_kv_heads
+    scale = layer.head_dim**-0.5
+    causal = torch.ones(roots, roots, dtype=torch.bool, device=ids.device).tril()
+    hidden = draft.combine_aux(feats[:, :roots])
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    out: list[torch.Tensor] = []
+    for i in range(steps):
+        tokens = F.pad(ids[:, 1 + i :], (0, i))
+        positions = (torch.arange(roots, device=ids.device) + i).expand(bsz, roots)
+        cos, sin = draft.rotary(hidden, positions)
+        residual, q, k, v = layer.qkv(draft.embed(tokens), hidden, cos, sin)
+        keys.append(k.repeat_interleave(groups, dim=1))
+        values.append(v.repeat_interleave(groups, dim=1))
+        scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
+        scores += [(q * keys[j]).sum(-1, keepdim=True) * scale for j in range(1, i + 1)]
+        weights = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+        attn = weights[..., :roots] @ values[0]
+        for j in range(1, i + 1):
+            attn = attn + weights[..., roots + j - 1 : roots + j] * values[j]
+        hidden = layer.finish(residual, attn)
+        out.append(draft.logits(hidden))
+    return out
+
+
+def train_draft(
+    draft: Eagle3Draft, target: Any, aux_ids: Sequence[int], stream: torch.Tensor, p: Preset, device: str, seed: int,
+    log: Any,
+) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed + 2)
+    draft.to(device).train()
+    draft.embed_tokens = target.get_input_embeddings()  # shared and frozen, as at inference
+    params = [q for name, q in draft.named_parameters() if not name.startswith("embed_tokens.")]
+    for param in target.parameters():
+        param.requires_grad_(False)
+    opt = torch.optim.AdamW(params, lr=p.draft_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    draft_ids = torch.arange(draft.d2t.numel(), device=draft.d2t.device) + draft.d2t
+    t0 = time.perf_counter()
+    history: list[tuple[float, list[float]]] = []
+    for step in range(p.draft_steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, p.draft_steps, p.draft_lr)
+        rows = batches(stream, p.batch_size, p.seq_len, gen, device)[:, :-1]
+        with torch.no_grad(), _autocast(device):
+            logits_t, aux = target_aux_states(target, rows, aux_ids)
+        feats = torch.cat([a.float() for a in aux], dim=-1)
+        logits_t = logits_t.float()
+        with _autocast(device):
+            step_logits = ttt_logits(draft, feats, rows, p.ttt_steps)
+        loss = feats.new_zeros(())
+        accs: list[float] = []
+        roots = rows.shape[1] - 1
+        for i, logits_d in enumerate(step_logits):
+            valid = roots - i  # roots whose label position t+1+i is inside the window
+            label_logits = logits_t[:, 1 + i : 1 + i + valid]
+            in_draft_vocab = draft.t2d[label_logits.argmax(-1)]
+            probs = torch.softmax(label_logits[..., draft_ids], dim=-1)
+            logp = torch.log_softmax(logits_d[:, :valid].float(), dim=-1)
+            per_pos = -(probs * logp).sum(-1)
+            mask = in_draft_vocab.float()
+            loss = loss + (0.8**i) * (per_pos * mask).sum() / mask.sum().clamp(min=1)
+            hit = (draft.to_target_ids(logits_d[:, :valid].argmax(-1)) == label_logits.argmax(-1)).float()
+            accs.append(float((hit * mask).sum() / mask.sum().clamp(min=1)))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        history.append((loss.item(), accs))
+        if step % max(1, p.draft_steps // 10) == 0 or step == p.draft_steps - 1:
+            recent = history[-50:]
+            acc = [sum(h[1][i] for h in recent) / len(recent) for i in range(p.ttt_steps)]
+            log(f"draft  step {step:5d}/{p.draft_steps}  loss {sum(h[0] for h in recent) / len(recent):.3f}  "
+                f"top-1 agreement per TTT step {[round(a, 3) for a in acc]}  {time.perf_counter() - t0:6.1f}s")
+    draft.eval()
+    recent = history[-50:]
+    return {
+        "final_loss": sum(h[0] for h in recent) / len(recent),
+        "top1_agreement_per_step": [sum(h[1][i] for h in recent) / len(recent) for i in range(p.ttt_steps)],
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+# ------------------------------------------------------------------------------------ evaluation
+def evaluate(target: Any, draft: Eagle3Draft, aux_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+             new_tokens: int, ks: Sequence[int], log: Any) -> dict[str, Any]:
+    """Mean acceptance length per k, and whether every speculative output equals plain greedy."""
+    t0 = time.perf_counter()
+    plain = [reference_speculative_generate(target, draft, aux_ids, pr, new_tokens, 0)[0] for pr in prompts]
+    result: dict[str, Any] = {"prompts": len(prompts), "new_tokens": new_tokens, "k": {}}
+    for k in ks:
+        steps_all: list[int] = []
+        lossless = True
+        for pr, want in zip(prompts, plain):
+            got, steps = reference_speculative_generate(target, draft, aux_ids, pr, new_tokens, k)
+            lossless &= got == want
+            steps_all.extend(steps)
+        mean = sum(steps_all) / len(steps_all)
+        result["k"][str(k)] = {"mean_acceptance_length": mean, "verify_steps": len(steps_all), "lossless": lossless}
+        log(f"k={k}: mean acceptance length {mean:.3f} over {len(steps_all)} verify steps; lossless={lossless}")
+    result["seconds"] = time.perf_counter() - t0
+    result["sample_output_ids"] = plain[0] if plain else []
+    return result
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+# ------------------------------------------------------------------------------------------ main
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="output directory (target/, draft/, metrics.json)")
+    parser.add_argument("--quick", action="store_true", help="smoke-test size (1-2 min on 2 CPU cores)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch (default 2)")
+    parser.add_argument("--target-steps", type=int, help="override the preset's target training steps")
+    parser.add_argument("--draft-steps", type=int, help="override the preset's draft training steps")
+    parser.add_argument("--ttt-steps", type=int, help="override the preset's unrolled test-time-training steps")
+    parser.add_argument("--eval-prompts", type=int, help="override the preset's number of held-out prompts")
+    parser.add_argument("--max-corpus-chars", type=int, help="override the preset's corpus size cap")
+    parser.add_argument("--json", action="store_true", help="print metrics.json to stdout at the end")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    preset_name = "quick" if args.quick else "full"
+    p = PRESETS[preset_name]
+    overrides = {k: v for k, v in (("target_steps", args.target_steps), ("draft_steps", args.draft_steps),
+                                   ("ttt_steps", args.ttt_steps), ("eval_prompts", args.eval_prompts),
+                                   ("max_corpus_chars", args.max_corpus_chars)) if v is not None}
+    p = replace(p, **overrides)
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("train_demo: error: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:7.1f}s] {msg}", flush=True)
+
+    phases: dict[str, float] = {}
+    t = time.perf_counter()
+    train_texts, held_texts, corpus = load_corpus(p.max_corpus_chars)
+    tokenizer = train_tokenizer(train_texts, p.vocab_size)
+    stream = encode_stream(tokenizer, train_texts)
+    prompts = eval_prompts(tokenizer, held_texts, p.eval_prompts, p.eval_prompt_len, args.seed)
+    phases["corpus_and_tokenizer_s"] = time.perf_counter() - t
+    corpus.update(train_tokens=int(stream.numel()), vocab_size=len(tokenizer))
+    log(f"corpus: {corpus['train_files']} files, {corpus['train_chars']:,} chars -> {stream.numel():,} tokens "
+        f"(vocab {len(tokenizer)}); {len(prompts)} held-out prompts")
+
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    target = make_target(p, len(tokenizer), eos_id)
+    target_params = sum(q.numel() for q in target.parameters())
+    log(f"target: Llama, {target_params:,} parameters, N={p.num_layers}, H={p.hidden_size}")
+    target_stats = train_target(target, stream, p, device, args.seed, log)
+    phases["target_training_s"] = target_stats["seconds"]
+
+    target_dir = out / "target"
+    target.to("cpu").to(torch.float16).save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # Everything from here on uses the shipped (fp16-rounded) weights, reloaded from disk.
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+    aux_ids = eagle3_default_aux_ids(p.num_layers)
+    draft_ids = draft_vocabulary(stream, len(tokenizer), p.draft_vocab_size)
+    draft = make_draft(p, target.config, draft_ids, aux_ids)
+    draft_params = sum(q.numel() for name, q in draft.named_parameters() if not name.startswith("embed_tokens."))
+    log(f"draft: EAGLE3, {draft_params:,} parameters (+ the target's embedding, shared), aux ids {list(aux_ids)}, "
+        f"draft vocab {draft_ids.numel()}, {p.ttt_steps} TTT steps")
+    draft_stats = train_draft(draft, target, aux_ids, stream, p, device, args.seed, log)
+    phases["draft_training_s"] = draft_stats["seconds"]
+
+    draft_dir = out / "draft"
+    draft.to("cpu")
+    save_draft_checkpoint(draft, draft_dir, format="B", aux_layers=aux_ids, include_embedding=False,
+                          dtype=torch.float16, verifier="pipespec-demo-target", num_speculative_tokens=3)
+
+    loaded = load_draft_checkpoint(draft_dir, TargetInfo.from_config(target.config), dtype=torch.float32, device=device,
+                                   target_embed=target.get_input_embeddings())
+    t = time.perf_counter()
+    evaluation = evaluate(target, loaded.model, loaded.info.aux_layers, prompts, p.eval_new_tokens, (3, 5), log)
+    phases["evaluation_s"] = time.perf_counter() - t
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    sample_prompt = tok.decode(prompts[0]) if prompts else ""
+    sample_output = tok.decode(evaluation.pop("sample_output_ids"))
+
+    sizes = {"target_bytes": dir_bytes(target_dir), "draft_bytes": dir_bytes(draft_dir)}
+    sizes["total_bytes"] = sizes["target_bytes"] + sizes["draft_bytes"]
+    metrics = {
+        "command": " ".join(["python", "bench/train_demo.py", *(argv if argv is not None else sys.argv[1:])]),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": torch.cuda.get_device_name(0) if device == "cuda" else f"cpu x{torch.get_num_threads()} threads",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "preset": preset_name,
+        "settings": asdict(p),
+        "seed": args.seed,
+        "corpus": corpus,
+        "target": {"parameters": target_params, **target_stats},
+        "draft": {"parameters": draft_params, "aux_layers": list(aux_ids), "format": "B", **draft_stats},
+        "evaluation": evaluation,
+        "sample": {"prompt": sample_prompt, "greedy_continuation": sample_output},
+        "sizes": sizes,
+        "phases_s": phases,
+        "total_s": time.perf_counter() - start,
+    }
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    log(f"wrote {target_dir} and {draft_dir}: {sizes['total_bytes'] / 1e6:.2f} MB; metrics in {out / 'metrics.json'}")
+    for k, row in evaluation["k"].items():
+        print(f"  k={k}: mean acceptance length {row['mean_acceptance_length']:.3f}  lossless={row['lossless']}")
+    if args.json:
+        print(json.dumps(metrics))
+    ok = all(row["lossless"] for row in evaluation["k"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
