@@ -87,6 +87,7 @@ def project_label(path: Path) -> str:
 
 
 def read_text(path: Path, what: str = "source file") -> str:
+    """The file's text; a missing, unreadable or non-UTF-8 file is a ``UsageError`` naming it."""
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -112,10 +113,12 @@ def parse_source(code: str, label: str) -> cst.Module:
 
 
 def class_names(module: cst.Module) -> list[str]:
+    """Top-level class names, in source order (what error messages list)."""
     return [s.name.value for s in module.body if isinstance(s, cst.ClassDef)]
 
 
 def find_class(module: cst.Module, name: str, label: str) -> cst.ClassDef:
+    """The top-level class ``name``, else a ``UsageError`` listing the classes present."""
     for stmt in module.body:
         if isinstance(stmt, cst.ClassDef) and stmt.name.value == name:
             return stmt
@@ -177,6 +180,7 @@ def detect_dialect(node: cst.ClassDef) -> str:
 
 
 def spec_label(spec: AdapterSpec | None) -> str:
+    """How headers and messages name a spec: ``name (project-relative source)``."""
     if spec is None:
         return "none, shape detected from the source"
     source = spec.source
@@ -300,6 +304,7 @@ def stamp_header(code: str, entry: tuple[str, str]) -> str:
 
 # --------------------------------------------------------------------------------- output
 def unified_diff(old: str, new: str, old_label: str, new_label: str) -> str:
+    """``diff -u`` of two texts (empty when equal)."""
     return "".join(difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True), old_label, new_label))
 
 

@@ -18,9 +18,13 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipespec.errors import UsageError
 from pipespec.spec import DIALECTS
+
+if TYPE_CHECKING:  # codegen imports libcst: loaded only when a command needs it
+    from pipespec.codegen import Outcome, Target
 
 HELP = "adapt a model's forward for aux hidden states over PP (vLLM-style or HF code), or scaffold a new adapter"
 PROG = "adapter-gen"
@@ -120,10 +124,10 @@ def _run_adapt(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(args: argparse.Namespace, target: object, outcome: object) -> int:
+def _check(args: argparse.Namespace, target: Target, outcome: Outcome) -> int:
+    """``--check``: is FILE adapted (no ``--out``), or is OUT what regenerating would write?"""
     from pipespec import codegen
 
-    assert isinstance(target, codegen.Target) and isinstance(outcome, codegen.Outcome)
     if args.out is None:
         if outcome.status == "unchanged":
             return 0
@@ -144,11 +148,10 @@ def _check(args: argparse.Namespace, target: object, outcome: object) -> int:
     return 1
 
 
-def _regenerate_command(args: argparse.Namespace, target: object, mode: str | None = None) -> str:
+def _regenerate_command(args: argparse.Namespace, target: Target, mode: str | None = None) -> str:
     """The command line that reproduces this output, written into the header (stable across cwd)."""
     from pipespec import codegen
 
-    assert isinstance(target, codegen.Target)
     words = ["adapter-gen"]
     if args.hf is not None:
         words += ["--hf", args.hf]
