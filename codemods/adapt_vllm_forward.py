@@ -69,7 +69,6 @@ MIXIN_PROPERTIES = ("start_layer", "end_layer", "is_first_stage", "is_last_stage
                     "pipespec_layout", "pipespec_stage", "aux_hidden_state_relay_keys")
 RANK_CHECKS = {"is_first_rank": "is_first_stage", "is_last_rank": "is_last_stage"}
 
-
 _GET_PP_GROUP = m.Call(func=m.Name("get_pp_group"), args=[])
 _MARKER_LINE = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(MARKER))])])
 
@@ -209,7 +208,9 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
                    f"pipespec_has_residual = {residual}\n",
                    f"{MARKER_ATTR} = {json.dumps(marker_text(self.source, self.spec))}\n"]
         if self.spec is not None and self.spec.num_layers_key != "num_hidden_layers":
-            markers.append(f"pipespec_num_layers_key = {self.spec.num_layers_key!r}\n")
+            markers.append(f"pipespec_num_layers_key = {json.dumps(self.spec.num_layers_key)}\n")
+        if self.spec is not None and self.spec.boundary_rule != "allow":  # the plan enforces it from the start
+            markers.append(f"_pipespec_boundary_rule = {json.dumps(self.spec.boundary_rule)}\n")
         at = 1 if body and is_docstring(body[0]) else 0
         if at < len(body) and not body[at].leading_lines:
             body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine(indent=False)])

@@ -250,6 +250,15 @@ def test_spec_capture_hidden_only_captures_the_hidden_stream() -> None:
     assert "self.capture_aux_hidden_state(aux_hidden_states, hidden_states)\n" in result.code
 
 
+def test_spec_layer_count_key_and_boundary_rule_become_class_attributes() -> None:
+    """A Kimi-K3-style spec (ids may not end a non-last stage) is enforced by the class's own plan."""
+    spec = spec_for(residual=True, capture="hidden + residual", num_layers_key="n_layers",
+                    boundary_rule="reject-at-stage-end")
+    result = run_codemod(vllm_model(), spec=spec)
+    assert isinstance(result, TransformSuccess)
+    assert '    pipespec_num_layers_key = "n_layers"\n    _pipespec_boundary_rule = "reject-at-stage-end"\n' in result.code
+
+
 def test_make_layers_range_is_kept_under_a_name_the_mixin_checks() -> None:
     code = vllm_model().replace("    def forward", """\
     def __init__(self, config):
@@ -409,6 +418,20 @@ def test_without_aux_ids_the_adapted_model_returns_what_the_original_does(adapte
     out = run_stages(adapted, GOLDEN[name], state, None, 2, [], input_ids, positions)
     assert isinstance(out, torch.Tensor)
     torch.testing.assert_close(out, final, rtol=1e-5, atol=1e-6)
+
+
+def test_boundary_rule_from_the_spec_is_enforced_by_the_generated_class(tmp_path):
+    """Adapted with a reject-at-stage-end spec, the model refuses an id that ends a non-last stage."""
+    spec = spec_for(residual=True, capture="hidden + residual", boundary_rule="reject-at-stage-end")
+    outcome = adapt_target(load_target(FIXTURES / "llama_residual.py", "LlamaStyleModel"), spec=spec)
+    (tmp_path / "kimi_like.py").write_text(outcome.code)
+    module = load_module(tmp_path / "kimi_like.py", "h3_kimi_like")
+    with toy_vllm.pp_group(0, 2):
+        stage = module.LlamaStyleModel(CONFIG)
+    stage.set_pipeline_stage(0, 2)
+    with pytest.raises(LayoutError, match="aux layer id 3 ends stage 0"):
+        stage.set_aux_hidden_state_layers([2, 3])
+    stage.set_aux_hidden_state_layers([2, 4])
 
 
 def test_a_stage_plan_that_disagrees_with_the_built_layers_is_refused(adapted_modules):
