@@ -43,22 +43,30 @@ class GenerateJob:
     trace: bool = False
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def _tokenizer(target_dir: str) -> Any:
     from transformers import AutoTokenizer
 
+    if not any((Path(target_dir) / name).exists() for name in TOKENIZER_FILES):
+        raise CheckpointError(
+            f"--prompt TEXT needs a tokenizer in {target_dir} ({', '.join(TOKENIZER_FILES)}), and there is none: "
+            "pass token ids with --prompt-ids instead"
+        )
     try:
         return AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises OSError/ValueError variants
+        first = " ".join(str(exc).split())
         raise CheckpointError(
-            f"--prompt TEXT needs a tokenizer in {target_dir} (tokenizer.json or tokenizer_config.json): {exc}. "
-            "Pass token ids with --prompt-ids instead"
+            f"--prompt TEXT needs a tokenizer in {target_dir}, and AutoTokenizer cannot load it ({first}): "
+            "pass token ids with --prompt-ids instead"
         ) from None
 
 
 def load_tokenizer(target_dir: str) -> Any | None:
     """The target's tokenizer, or ``None`` when the directory ships none (ids-only runs)."""
-    directory = Path(target_dir)
-    if not any((directory / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any((Path(target_dir) / name).exists() for name in TOKENIZER_FILES):
         return None
     return _tokenizer(target_dir)
 

@@ -108,7 +108,9 @@ class StageContext:
     def log(self, message: str, always: bool = False) -> None:
         """One line on stderr prefixed with the stage (``verbose`` unless ``always``)."""
         if always or self.verbose:
-            print(f"[stage {self.rank}] {message}", file=sys.stderr, flush=True)
+            # One write of the whole line: stages share stderr, and a separate newline write interleaves.
+            sys.stderr.write(f"[stage {self.rank}] {message}\n")
+            sys.stderr.flush()
 
     @contextlib.contextmanager
     def waiting(self, what: str) -> Iterator[None]:
@@ -205,6 +207,7 @@ def _child_main(
         store = dist.TCPStore("127.0.0.1", port, world_size, False, ctx.timeout)
         with ctx.waiting("the other stages to join the process group"):
             dist.init_process_group(ctx.backend, store=store, rank=rank, world_size=world_size, timeout=ctx.timeout)
+        ctx.log(f"pid {os.getpid()} joined the {ctx.backend} process group on {ctx.device}")
         result = fn(ctx, payload)
         conn.send(("ok", result))
         code = 0
