@@ -92,11 +92,10 @@ GENERIC: dict[str, Any] = {
     "vocab_size_per_layer_input": VOCAB,
     "hidden_size_per_layer_input": 8,
     # multi-head latent attention (DeepSeek-style)
+    # (head dims are scaled from the defaults by _scale_mla_dims; the ranks are independent of them)
     "kv_lora_rank": 16,
     "q_lora_rank": 32,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 16,
+    "rotary_dim": 8,  # partial rotary (CodeGen, GPT-J): at most the tiny head_dim
     # sparse-attention indexers
     "index_n_heads": 2,
     "index_head_dim": 16,
@@ -206,6 +205,30 @@ def _truncate_layer_list(values: list[Any], n: int = LAYERS) -> list[Any]:
     return out
 
 
+_MLA_DIMS = ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "head_dim")
+
+
+def _scale_mla_dims(fields: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """Latent-attention head dims, scaled together so the rope part is 8 wide.
+
+    Their relations differ by family (``head_dim`` is the rope width in DeepSeek-V3.2, rope + nope in
+    HY-V4, the value width in Bailing; ``None`` means derived): scaling every one by the same factor
+    keeps whichever relation the modeling code assumes. Latent attention expands K and V to every head
+    and then still repeats them by ``heads // kv_heads``, so it needs ``num_key_value_heads == heads``.
+    """
+    rope = fields.get("qk_rope_head_dim")
+    if not isinstance(rope, int) or isinstance(rope, bool) or rope <= 0:
+        return
+    if "num_key_value_heads" in fields:
+        kwargs["num_key_value_heads"] = HEADS
+    for name in _MLA_DIMS:
+        default = fields.get(name)
+        if isinstance(default, int) and not isinstance(default, bool) and default > 0:
+            kwargs[name] = max(2, default * 8 // rope)
+        elif name in fields:
+            kwargs.pop(name, None)  # derived in __post_init__ from the others
+
+
 def _hashable(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
@@ -231,6 +254,7 @@ def _recipe(config_cls: type, depth: int) -> dict[str, Any]:
     if "is_decoder" in fields:
         kwargs["is_decoder"] = True  # BERT-style stacks are causal only as decoders
     _tiny_special_ids(fields, kwargs)
+    _scale_mla_dims(fields, kwargs)
     default = _default_instance(config_cls)
     default_depth = _depth_of(default)
     for name in fields:
@@ -334,10 +358,6 @@ def build_tiny_model(model_type: str, seed: int = 0) -> TinyModel:
     config, fixes = tiny_config(model_type)
     lm_class = _causal_lm_class(model_type, config)
     try:
-        config._attn_implementation = "eager"  # one attention path for reference and stages
-    except Exception:  # noqa: BLE001 - a config that refuses the override keeps its default
-        pass
-    try:
         with _quiet(), torch.device("meta"):
             shell = _from_config(lm_class, config)
     except Exception as exc:  # noqa: BLE001
@@ -375,9 +395,9 @@ def _causal_lm_class(model_type: str, config: Any) -> Any:
 
 
 def _from_config(lm_class: Any, config: Any) -> torch.nn.Module:
-    if hasattr(lm_class, "from_config"):
-        return lm_class.from_config(config, dtype=torch.float32)  # type: ignore[no-any-return]
-    return lm_class._from_config(config, dtype=torch.float32)  # type: ignore[no-any-return]
+    """float32 weights and eager attention: one plain attention path for the reference and the stages."""
+    build = lm_class.from_config if hasattr(lm_class, "from_config") else lm_class._from_config
+    return build(config, dtype=torch.float32, attn_implementation="eager")  # type: ignore[no-any-return]
 
 
 def _one_line(exc: BaseException) -> str:
@@ -445,9 +465,10 @@ FIXES: dict[str, Fix] = {
              layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
     ),
     "dbrx": Fix(
-        "attention and FFN sizes live in sub-configs; the attention config lacks the rope_theta the model reads",
+        "attention and FFN sizes live in sub-configs; the attention config lacks the rope_theta the model reads, "
+        "and its default clip_qkv=None reaches torch.clamp(min=None, max=None)",
         lambda kw: kw[_SUB].update({
-            "attn_config": (kw[_SUB]["attn_config"][0], {"kv_n_heads": KV_HEADS, "rope_theta": 10000.0}),
+            "attn_config": (kw[_SUB]["attn_config"][0], {"kv_n_heads": KV_HEADS, "rope_theta": 10000.0, "clip_qkv": 8.0}),
             "ffn_config": (kw[_SUB]["ffn_config"][0], {"ffn_hidden_size": FFN, "moe_num_experts": 4, "moe_top_k": 2}),
         }),
     ),

@@ -1,0 +1,205 @@
+"""``pipespec zoo``: verify the HF adaptation over every causal-LM type of the installed transformers.
+
+For each type: build a tiny random float32 model, adapt its decoder with ``pipespec.adapt``, run it as
+P in-process stages (default P = 1, 2, 3; uneven partitions), compare with the unadapted model (see
+``pipespec.zoo.runner``). Prints a table (``--json``: the list DESIGN.md specifies) and, with
+``--write-coverage FILE``, writes the markdown coverage report (``make zoo`` writes docs/coverage.md).
+Exit status 1 when any type ``failed``: an adaptation that ran but disagreed is a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from pipespec.cli.args import int_list
+from pipespec.errors import UsageError
+
+HELP = "verify adaptation over every causal-LM type of the installed transformers (tiny models, P=1,2,3)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-types", metavar="A,B", help="only these model types (default: every causal-LM type installed)")
+    parser.add_argument("--pp", type=int_list, default=[1, 2, 3], metavar="1,2,3", help="pipeline sizes to check (default 1,2,3)")
+    parser.add_argument("--json", action="store_true", help='print [{"model_type", "status", "reason", "max_abs_err"}, ...]')
+    parser.add_argument("--write-coverage", metavar="FILE", help="write the markdown coverage report to FILE (atomically)")
+
+
+def _model_types(text: str | None) -> list[str] | None:
+    from pipespec.zoo.tiny import causal_lm_model_types
+
+    if text is None:
+        return None
+    wanted = [t.strip() for t in text.split(",") if t.strip()]
+    if not wanted:
+        raise UsageError("--model-types is empty: give comma-separated model types such as llama,qwen2")
+    known = set(causal_lm_model_types())
+    unknown = [t for t in wanted if t not in known]
+    if unknown:
+        raise UsageError(
+            f"unknown model type {unknown[0]!r}: not in the installed transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES "
+            f"({len(known)} types; e.g. {', '.join(sorted(known)[:5])}, ...)"
+        )
+    return list(dict.fromkeys(wanted))
+
+
+def _pp_sizes(values: Sequence[int]) -> list[int]:
+    sizes = list(dict.fromkeys(values))
+    if not sizes:
+        raise UsageError("--pp is empty: give pipeline sizes such as 1,2,3")
+    bad = [p for p in sizes if p < 1]
+    if bad:
+        raise UsageError(f"--pp {bad[0]} is invalid: a pipeline has at least 1 stage")
+    return sizes
+
+
+class _Progress:
+    """A one-line progress bar on stderr, drawn only on a terminal (logs and pipes stay clean)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.enabled = stream.isatty()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __call__(self, done: int, total: int, result: Any) -> None:
+        self.counts[result.status] += 1
+        if not self.enabled:
+            return
+        width = 30
+        filled = width * done // total
+        bar = "#" * filled + "-" * (width - filled)
+        tally = " ".join(f"{k} {self.counts[k]}" for k in ("verified", "declined", "failed"))
+        self.stream.write(f"\r[{bar}] {done}/{total} {tally}  {result.model_type[:24]:<24}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\r" + " " * 100 + "\r")
+            self.stream.flush()
+
+
+def format_table(results: Sequence[Any]) -> str:
+    rows = [("model type", "status", "shape", "max abs err", "reason")]
+    for r in results:
+        err = "-" if r.max_abs_err is None else f"{r.max_abs_err:.2g}"
+        reason = r.reason if len(r.reason) <= 110 else r.reason[:107] + "..."
+        rows.append((r.model_type, r.status, r.shape, err, reason))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in rows]
+    counts = collections.Counter(r.status for r in results)
+    lines.append(f"{len(results)} types: " + ", ".join(f"{counts[s]} {s}" for s in ("verified", "declined", "failed")))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def coverage_markdown(results: Sequence[Any], meta: dict[str, Any]) -> str:
+    """The coverage report: counts by status and by forward shape, the goals, then one row per type."""
+    from pipespec.zoo.runner import SHAPES, STATUSES
+
+    counts = collections.Counter(r.status for r in results)
+    by_shape: dict[str, collections.Counter[str]] = {k: collections.Counter() for k in SHAPES}
+    for r in results:
+        by_shape.setdefault(r.shape, collections.Counter())[r.status] += 1
+    llama_like = [r for r in results if r.shape in ("llama", "llama-like")]
+    gpt2 = [r for r in results if r.shape == "gpt2"]
+    hf_checked = [r for r in results if r.hf_hidden_states_match is not None]
+    pp = ",".join(map(str, meta["pp"]))
+    out = [
+        "# Zoo coverage",
+        "",
+        "<!-- generated by `pipespec zoo --write-coverage docs/coverage.md` (`make zoo`); do not edit, regenerate -->",
+        "",
+        f"Every causal-LM type of the installed transformers ({meta['transformers']}, torch {meta['torch']}), built as a "
+        f"tiny random float32 model, adapted with `pipespec.adapt` and run as P = {pp} in-process stages (uneven "
+        f"partitions; aux ids 0, every stage boundary, N and EAGLE3's defaults), compared with the unadapted model: "
+        f"final hidden state and every aux id, relative error <= {meta['rel_tol']:g}.",
+        "",
+        f"Generated {meta['date']} in {meta['wall_s']:.1f} s wall, {meta['cpu_s']:.1f} s CPU (one process, one torch thread).",
+        "",
+        "## Counts",
+        "",
+        "| status | types |",
+        "|---|---|",
+    ]
+    out += [f"| {s} | {counts[s]} |" for s in STATUSES]
+    out += [f"| **total** | **{len(results)}** |", "", "| forward shape | types | verified | declined | failed |", "|---|---|---|---|---|"]
+    for key, label in SHAPES.items():
+        c = by_shape.get(key, collections.Counter())
+        out.append(f"| {label} | {sum(c.values())} | {c['verified']} | {c['declined']} | {c['failed']} |")
+    out += [
+        "",
+        "## Goals",
+        "",
+        f"- Llama-like (exact loop + variants): {sum(r.status == 'verified' for r in llama_like)} of {len(llama_like)} verified "
+        "(goal: at least 110 of 120).",
+        f"- GPT2-style: {sum(r.status == 'verified' for r in gpt2)} of {len(gpt2)} verified (goal: at least 5 of 10).",
+        f"- failed: {counts['failed']} (goal: 0).",
+        "",
+        "## What the reference showed about HF's `hidden_states`",
+        "",
+        f"Of {len(hf_checked)} types whose reference ran with N+1 hidden states: `hidden_states[L]` is the input of layer L "
+        f"for every L < N in {sum(bool(r.hf_hidden_states_match) for r in hf_checked)}; the last entry equals the post-norm "
+        f"`last_hidden_state` in {sum(bool(r.hf_last_is_post_norm) for r in hf_checked)} (so aux id N is captured before the "
+        "norm, by a hook, not read from HF's list).",
+        "",
+        f"Tiny models: {sum(not r.reason.startswith('could not build tiny model') for r in results)} of {len(results)} built; "
+        f"{sum(bool(r.fixes) for r in results)} needed a per-type fix (`pipespec.zoo.tiny.FIXES`).",
+        "",
+        "## Per type",
+        "",
+        "| model type | status | shape | decoder class | layers | max abs err | reason |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        err = "" if r.max_abs_err is None else f"{r.max_abs_err:.2g}"
+        out.append(
+            f"| {r.model_type} | {r.status} | {SHAPES.get(r.shape, r.shape)} | {_cell(r.decoder_class)} | "
+            f"{'' if r.num_layers is None else r.num_layers} | {err} | {_cell(r.reason)} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    types = _model_types(args.model_types)
+    pp = _pp_sizes(args.pp)
+    import torch
+    import transformers
+
+    from pipespec.zoo.runner import REL_TOL, run_zoo
+
+    progress = _Progress(sys.stderr)
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        results = run_zoo(types, pp, progress=progress)
+    finally:
+        progress.close()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    if args.json:
+        print(json.dumps([r.to_json() for r in results]))
+    else:
+        print(format_table(results))
+        print(f"{wall:.1f} s wall, {cpu:.1f} s CPU")
+    if args.write_coverage:
+        from pipespec.codegen import write_atomic
+
+        meta = {
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "pp": pp,
+            "rel_tol": REL_TOL,
+            "date": datetime.date.today().isoformat(),
+            "wall_s": wall,
+            "cpu_s": cpu,
+        }
+        write_atomic(args.write_coverage, coverage_markdown(results, meta))
+        print(f"wrote {args.write_coverage}", file=sys.stderr)
+    return 1 if any(r.status == "failed" for r in results) else 0
