@@ -497,6 +497,9 @@ def _run_type(result: ZooResult, pp_sizes: Sequence[int], seed: int) -> None:
             result.max_abs_err, result.max_rel_err = worst_abs, worst_rel
             result.pp_sizes = tuple(checked)
             return
+    if not checked:
+        result.reason = f"no requested pipeline size fits {num_layers} layers (asked for P={','.join(map(str, pp_sizes))})"
+        return
     result.status = "verified"
     result.pp_sizes = tuple(checked)
     result.max_abs_err, result.max_rel_err = worst_abs, worst_rel
