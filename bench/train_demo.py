@@ -149,18 +149,18 @@ def encode_stream(tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
 
 
 def eval_prompts(tokenizer: Any, texts: Sequence[str], count: int, length: int, seed: int) -> list[list[int]]:
-    """``count`` prompts of ``length`` tokens from held-out files, each starting at a line start."""
+    """``count`` prompts of ``length`` tokens from held-out files, each starting at a random line start;
+    files are visited round-robin (in a seeded order) so a small held-out split still yields ``count``."""
     gen = torch.Generator().manual_seed(seed + 7)
+    usable = [t.splitlines(keepends=True) for t in texts]
+    usable = [lines for lines in usable if len(lines) >= 40]
+    order = torch.randperm(len(usable), generator=gen).tolist()
     prompts: list[list[int]] = []
-    order = torch.randperm(len(texts), generator=gen).tolist()
-    for i in order:
-        text = texts[i]
-        lines = text.splitlines(keepends=True)
-        if len(lines) < 40:
-            continue
+    for attempt in range(20 * count if usable else 0):
+        lines = usable[order[attempt % len(usable)]]
         start = int(torch.randint(0, len(lines) - 30, (1,), generator=gen))
-        ids = tokenizer("".join(lines[start:]), add_special_tokens=False)["input_ids"][:length]
-        if len(ids) == length:
+        ids = tokenizer("".join(lines[start : start + 200]), add_special_tokens=False)["input_ids"][:length]
+        if len(ids) == length and ids not in prompts:
             prompts.append(ids)
         if len(prompts) == count:
             break
@@ -443,6 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     phases["draft_training_s"] = draft_stats["seconds"]
 
     draft_dir = out / "draft"
+    draft.embed_tokens = None  # it was the target's module (shared): moving the draft must not move it
     draft.to("cpu")
     save_draft_checkpoint(draft, draft_dir, format="B", aux_layers=aux_ids, include_embedding=False,
                           dtype=torch.float16, verifier="pipespec-demo-target", num_speculative_tokens=3)
