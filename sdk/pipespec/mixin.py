@@ -65,7 +65,26 @@ def relay_aux_hidden_states(
     missing = [k for k in relay_keys if k not in received]
     if missing:
         raise RuntimeError(f"cannot relay aux hidden state {missing[0]!r}: keys present are {sorted(received.keys())}")
+    check_received_aux_shapes(received, relay_keys)
     return outgoing | {k: received[k] for k in relay_keys}
+
+
+def check_received_aux_shapes(received: Mapping[str, torch.Tensor], keys: Sequence[str]) -> None:
+    """Every aux state of a hop has the shape of the hop's ``hidden_states``; refuse one that does not.
+
+    A wrong shape means the two stages disagree on the hop layout (ids, partition, token count or hidden
+    size); passed on silently it would reach the draft as a wrong-sized input or a misleading error.
+    """
+    hidden = received.get(HIDDEN_KEY)
+    if hidden is None:
+        return
+    for key in keys:
+        shape = received[key].shape
+        if shape != hidden.shape:
+            raise RuntimeError(
+                f"aux hidden state {key!r} from the previous stage has shape {list(shape)} but its hidden_states has "
+                f"{list(hidden.shape)}: the stages disagree on the hop layout (aux ids, partition, tokens or hidden size)"
+            )
 
 
 class AuxHiddenStatesMixin:
@@ -220,6 +239,7 @@ class AuxHiddenStatesMixin:
                     f"keys present: {sorted(intermediate_tensors.keys())}"
                 )
             out.append(intermediate_tensors[key])
+        check_received_aux_shapes(intermediate_tensors, keys)
         return out
 
     def relay_aux_hidden_states(

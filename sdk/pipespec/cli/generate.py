@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -60,8 +61,12 @@ def job_from_args(args: argparse.Namespace) -> Any:
     """The ``GenerateJob`` these flags describe (tokenizes text prompts)."""
     from pipespec.engine.job import GenerateJob, build_requests
 
-    if args.timeout <= 0:
-        raise UsageError(f"--timeout must be > 0, got {args.timeout}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):  # nan and inf would fail deep in torch.distributed
+        raise UsageError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+    if args.dtype is not None:
+        from pipespec.pp.loading import dtype_from_name
+
+        dtype_from_name(args.dtype)  # refuse a bad --dtype before any stage process starts
     requests = build_requests(
         args.target, prompt=args.prompt, prompt_ids=args.prompt_ids, prompts_file=args.prompts_file,
         max_new_tokens=args.max_new_tokens,

@@ -178,9 +178,12 @@ def _read_config(path: Path) -> dict[str, Any]:
     if not config_path.is_file():
         raise CheckpointError(f"{path}: no config.json: a draft checkpoint directory needs config.json + weights")
     try:
-        return json.loads(config_path.read_text())
+        raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_path}: expected a JSON object (the draft's config), got a JSON {type(raw).__name__}")
+    return raw
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -188,8 +191,13 @@ def _weight_files(path: Path) -> list[Path]:
         return [path / "model.safetensors"]
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        return [path / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{index}: not a shard index ({exc}): expected a JSON object with a weight_map") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no weight_map: cannot tell which shard holds which tensor")
+        return [path / str(name) for name in sorted(set(weight_map.values()))]
     if (path / "pytorch_model.bin").is_file():
         return [path / "pytorch_model.bin"]
     raise CheckpointError(f"{path}: no draft weights: expected one of {list(_WEIGHT_FILES)}")
@@ -204,10 +212,18 @@ def _tensor_shapes(files: Sequence[Path]) -> dict[str, tuple[int, ...]]:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             shapes.update({k: tuple(v.shape) for k, v in state.items()})
             continue
-        with safe_open(str(file), framework="pt") as handle:
+        with _open_safetensors(file) as handle:
             for key in handle.keys():
                 shapes[key] = tuple(handle.get_slice(key).get_shape())
     return shapes
+
+
+def _open_safetensors(file: Path) -> Any:
+    """``safe_open``, with a truncated or corrupt file reported as a ``CheckpointError`` naming it."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError (and OSError)
+        raise CheckpointError(f"{file} is not a readable safetensors file ({exc}): re-download or re-export the draft") from None
 
 
 def _read_tensors(files: Sequence[Path]) -> tuple[dict[str, torch.Tensor], int]:
@@ -217,7 +233,7 @@ def _read_tensors(files: Sequence[Path]) -> tuple[dict[str, torch.Tensor], int]:
         if file.suffix == ".bin":
             part = dict(torch.load(file, map_location="cpu", weights_only=True))
         else:
-            with safe_open(str(file), framework="pt") as handle:
+            with _open_safetensors(file) as handle:
                 part = {key: handle.get_tensor(key) for key in handle.keys()}
         nbytes += sum(t.numel() * t.element_size() for t in part.values())
         tensors.update(part)
@@ -444,7 +460,14 @@ def load_draft_checkpoint(
         elif key == "t2d":
             state[key] = t2d.bool().to(device)
         else:
-            state[key] = tensors[key].to(device=device, dtype=dtype)
+            value = tensors[key]
+            if not value.dtype.is_floating_point:
+                # A cast would turn integer (e.g. quantised) weights into garbage without a word.
+                raise CheckpointError(
+                    f"{info.path}: tensor {_disk_name(key, info.format)} has dtype {value.dtype}, expected floating point: "
+                    "only floating-point weights can be cast on load"
+                )
+            state[key] = value.to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True)
     model.reset_rotary()
     model.to(device)

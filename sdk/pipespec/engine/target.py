@@ -83,7 +83,9 @@ def resolve_target(target_dir: str, *, registry: Any = None) -> ResolvedTarget:
     try:
         config = AutoConfig.from_pretrained(str(checkpoint.directory), local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises ValueError/OSError/KeyError variants
-        raise CheckpointError(f"{checkpoint.directory}/config.json is not a transformers config this version can read: {exc}") from None
+        # transformers' messages run over several lines (upgrade advice ...): keep the first, the error is one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{checkpoint.directory}/config.json is not a transformers config this version can read: {first}") from None
     registry = registry or default_registry()
     spec = None
     for arch in list(getattr(config, "architectures", None) or []):

@@ -371,6 +371,25 @@ def _supervise(procs: list[Any], conns: dict[int, mpc.Connection], world_size: i
     return [results[r] for r in range(world_size)]
 
 
+class RendezvousError(PipespecError):
+    """A stage could not start or join the process group (port in use, unreachable rank 0, mismatched world)."""
+
+
+def _rendezvous_error(exc: BaseException) -> RendezvousError:
+    """One line for a failed ``env://`` rendezvous: which address, and what to change."""
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    text = " ".join(str(exc).split())
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return RendezvousError(
+            f"cannot host the rendezvous store at {where}: the port is already in use by another "
+            "process; choose a free port (torchrun --master-port, or MASTER_PORT)"
+        )
+    return RendezvousError(
+        f"cannot join the process group at {where} ({type(exc).__name__}: {text[:300]}): check that "
+        "every stage has the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE and that rank 0 is running"
+    )
+
+
 def run_under_torchrun(
     fn: Callable[[StageContext, Any], Any], payload: Any, *, device_type: str = "cpu", timeout_s: float = 300.0,
     verbose: bool = False,
@@ -388,7 +407,10 @@ def run_under_torchrun(
     _start_watchdog(ctx, None)
     ctx.device = _pick_device(device_type, local_rank)
     with ctx.waiting("the other stages to join the process group (env://)"):
-        dist.init_process_group(ctx.backend, init_method="env://", rank=rank, world_size=world_size, timeout=ctx.timeout)
+        try:
+            dist.init_process_group(ctx.backend, init_method="env://", rank=rank, world_size=world_size, timeout=ctx.timeout)
+        except Exception as exc:  # noqa: BLE001 - DistNetworkError / DistStoreError / RuntimeError variants
+            raise _rendezvous_error(exc) from None
     try:
         return fn(ctx, payload)
     finally:
