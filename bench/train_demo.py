@@ -383,6 +383,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ttt-steps", type=int, help="override the preset's unrolled test-time-training steps")
     parser.add_argument("--eval-prompts", type=int, help="override the preset's number of held-out prompts")
     parser.add_argument("--max-corpus-chars", type=int, help="override the preset's corpus size cap")
+    parser.add_argument("--eval-only", type=Path, metavar="DIR",
+                        help="train nothing: measure DIR/target + DIR/draft (e.g. sdk/pipespec/demo) into OUT/eval.json")
     parser.add_argument("--json", action="store_true", help="print metrics.json to stdout at the end")
     return parser.parse_args(argv)
 
@@ -408,6 +410,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - start:7.1f}s] {msg}", flush=True)
 
+    if args.eval_only is not None:
+        return eval_only(args, argv, preset_name, p, log)
     phases: dict[str, float] = {}
     t = time.perf_counter()
     train_texts, held_texts, corpus = load_corpus(p.max_corpus_chars)
@@ -429,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     target_dir = out / "target"
     target.to("cpu").to(torch.float16).save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     # Everything from here on uses the shipped (fp16-rounded) weights, reloaded from disk.
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
@@ -448,18 +452,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     save_draft_checkpoint(draft, draft_dir, format="B", aux_layers=aux_ids, include_embedding=False,
                           dtype=torch.float16, verifier="pipespec-demo-target", num_speculative_tokens=3)
 
-    loaded = load_draft_checkpoint(draft_dir, TargetInfo.from_config(target.config), dtype=torch.float32, device=device,
-                                   target_embed=target.get_input_embeddings())
-    t = time.perf_counter()
-    evaluation = evaluate(target, loaded.model, loaded.info.aux_layers, prompts, p.eval_new_tokens, (3, 5), log)
-    phases["evaluation_s"] = time.perf_counter() - t
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    sample_prompt = tok.decode(prompts[0]) if prompts else ""
-    sample_output = tok.decode(evaluation.pop("sample_output_ids"))
+    evaluation, sample = evaluate_checkpoints(target_dir, draft_dir, prompts, p.eval_new_tokens, device, log)
+    phases["evaluation_s"] = evaluation["seconds"]
+    metrics = {
+        **run_record(argv, device, preset_name, p, args.seed),
+        "corpus": corpus,
+        "target": {"parameters": target_params, **target_stats},
+        "draft": {"parameters": draft_params, "aux_layers": list(aux_ids), "format": "B", **draft_stats},
+        "evaluation": evaluation,
+        "sample": sample,
+        "sizes": checkpoint_sizes(target_dir, draft_dir),
+        "phases_s": phases,
+        "total_s": time.perf_counter() - start,
+    }
+    return finish(metrics, out / "metrics.json", args.json, log)
 
+
+def evaluate_checkpoints(
+    target_dir: Path, draft_dir: Path, prompts: Sequence[Sequence[int]], new_tokens: int, device: str, log: Any
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Load the written checkpoints (float32) and measure them; also a decoded sample continuation."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+    loaded = load_draft_checkpoint(draft_dir, TargetInfo.from_config(target.config), dtype=torch.float32,
+                                   device=device, target_embed=target.get_input_embeddings())
+    log(f"evaluating {draft_dir} ({loaded.info.format_name}, aux ids {list(loaded.info.aux_layers)}, convention "
+        f"{loaded.info.aux_convention}) against {target_dir} on {len(prompts)} prompts")
+    evaluation = evaluate(target, loaded.model, loaded.info.aux_layers, prompts, new_tokens, (3, 5), log)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    sample = {"prompt": tok.decode(prompts[0]) if prompts else "",
+              "greedy_continuation": tok.decode(evaluation.pop("sample_output_ids"))}
+    return evaluation, sample
+
+
+def checkpoint_sizes(target_dir: Path, draft_dir: Path) -> dict[str, int]:
     sizes = {"target_bytes": dir_bytes(target_dir), "draft_bytes": dir_bytes(draft_dir)}
     sizes["total_bytes"] = sizes["target_bytes"] + sizes["draft_bytes"]
-    metrics = {
+    return sizes
+
+
+def run_record(argv: Sequence[str] | None, device: str, preset_name: str, p: Preset, seed: int) -> dict[str, Any]:
+    """Where and how a figure was made: command, date, machine, versions, settings."""
+    return {
         "command": " ".join(["python", "bench/train_demo.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": torch.cuda.get_device_name(0) if device == "cuda" else f"cpu x{torch.get_num_threads()} threads",
@@ -467,25 +502,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch": torch.__version__,
         "preset": preset_name,
         "settings": asdict(p),
-        "seed": args.seed,
-        "corpus": corpus,
-        "target": {"parameters": target_params, **target_stats},
-        "draft": {"parameters": draft_params, "aux_layers": list(aux_ids), "format": "B", **draft_stats},
-        "evaluation": evaluation,
-        "sample": {"prompt": sample_prompt, "greedy_continuation": sample_output},
-        "sizes": sizes,
-        "phases_s": phases,
-        "total_s": time.perf_counter() - start,
+        "seed": seed,
     }
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    log(f"wrote {target_dir} and {draft_dir}: {sizes['total_bytes'] / 1e6:.2f} MB; metrics in {out / 'metrics.json'}")
-    for k, row in evaluation["k"].items():
-        print(f"  k={k}: mean acceptance length {row['mean_acceptance_length']:.3f}  lossless={row['lossless']}")
-    if args.json:
-        print(json.dumps(metrics))
-    ok = all(row["lossless"] for row in evaluation["k"].values())
-    return 0 if ok else 1
 
+
+def finish(metrics: dict[str, Any], path: Path, print_json: bool, log: Any) -> int:
+    path.write_text(json.dumps(metrics, indent=2) + "\n")
+    log(f"checkpoints: {metrics['sizes']['total_bytes'] / 1e6:.2f} MB; metrics in {path}")
+    for k, row in metrics["evaluation"]["k"].items():
+        print(f"  k={k}: mean acceptance length {row['mean_acceptance_length']:.3f}  lossless={row['lossless']}")
+    if print_json:
+        print(json.dumps(metrics))
+    return 0 if all(row["lossless"] for row in metrics["evaluation"]["k"].values()) else 1
+
+
+def eval_only(args: argparse.Namespace, argv: Sequence[str] | None, preset_name: str, p: Preset, log: Any) -> int:
+    """Re-measure existing checkpoints (``DIR/target``, ``DIR/draft``) on this machine's held-out prompts."""
+    from transformers import AutoTokenizer
+
+    root: Path = args.eval_only
+    target_dir, draft_dir = root / "target", root / "draft"
+    _, held_texts, corpus = load_corpus(p.max_corpus_chars)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompts = eval_prompts(tokenizer, held_texts, p.eval_prompts, p.eval_prompt_len, args.seed)
+    evaluation, sample = evaluate_checkpoints(target_dir, draft_dir, prompts, p.eval_new_tokens, args.device, log)
+    metrics = {
+        **run_record(argv, args.device, preset_name, p, args.seed),
+        "evaluated": str(root),
+        "corpus": {k: corpus[k] for k in ("root", "heldout_files")},
+        "evaluation": evaluation,
+        "sample": sample,
+        "sizes": checkpoint_sizes(target_dir, draft_dir),
+    }
+    return finish(metrics, args.out / "eval.json", args.json, log)
 
 if __name__ == "__main__":
     sys.exit(main())
