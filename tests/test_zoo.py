@@ -8,6 +8,7 @@ and require `failed` — a zoo that cannot fail would prove nothing.
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import json
 
@@ -175,11 +176,17 @@ def _wrong_adapter(mistake: str):
         base = real_adapt(cls, spec)
 
         class Wrong(base):  # type: ignore[misc, valid-type]
+            @functools.wraps(base.forward)  # same signature: the zoo still finds the cache keyword
             def forward(self, *args, **kwargs):
                 out = super().forward(*args, **kwargs)
                 if mistake == "rotate-slots" and isinstance(out, tuple):
                     output, aux = out
                     return output, list(aux[1:]) + list(aux[:1])
+                if mistake == "forget-the-cache":  # every stage recomputes from only the tokens it is given
+                    for name in ("cache", "past_key_values"):
+                        kwargs.pop(name, None)
+                    kwargs["use_cache"] = False
+                    return super().forward(*args, **kwargs)
                 if mistake == "drop-relayed-key" and isinstance(out, IntermediateTensors) and self.pipespec_stage.relays:
                     key = self.pipespec_stage.relays[0]
                     return IntermediateTensors({k: v for k, v in out.items() if k != key})
@@ -204,6 +211,28 @@ def test_wrong_adaptation_fails_through_the_cli(monkeypatch, capsys, mistake, re
     [row] = json.loads(capsys.readouterr().out)
     assert code == 1
     assert row["status"] == "failed" and reason in row["reason"], row
+
+
+@pytest.mark.timeout(120)
+def test_decode_steps_with_stage_caches_verify_and_catch_a_stage_without_cache(monkeypatch):
+    """gemma2's sliding window (4) is shorter than prefill + steps, so masks from the stage cache matter."""
+    import pipespec.adapt
+
+    for model_type in ("llama", "gemma2"):
+        result = run_type(model_type, pp_sizes=(2, 3), decode_steps=2)
+        assert result.status == "verified", result.reason
+        assert "prefill + 2 decode steps" in result.reason
+    monkeypatch.setattr(pipespec.adapt, "adapt", _wrong_adapter("forget-the-cache"))
+    assert run_type("llama", pp_sizes=(1,)).status == "verified"  # one forward cannot tell
+    result = run_type("llama", pp_sizes=(1,), decode_steps=2)
+    assert result.status == "failed" and "decode step 1" in result.reason, result.reason
+
+
+@pytest.mark.timeout(120)
+def test_parallel_workers_keep_the_order_and_the_verdicts(capsys):
+    assert main(["zoo", "--model-types", "rwkv,llama", "--jobs", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["model_type"], r["status"]) for r in rows] == [("rwkv", "declined"), ("llama", "verified")]
 
 
 @pytest.mark.timeout(60)

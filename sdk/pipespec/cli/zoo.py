@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from pipespec.cli.args import int_list
+from pipespec.cli.args import int_list, positive_int
 from pipespec.errors import UsageError
 
 HELP = "verify adaptation over every causal-LM type of the installed transformers (tiny models, P=1,2,3)"
@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-types", metavar="A,B", help="only these model types (default: every causal-LM type installed)")
     parser.add_argument("--pp", type=int_list, default=[1, 2, 3], metavar="1,2,3", help="pipeline sizes to check (default 1,2,3)")
     parser.add_argument("--json", action="store_true", help='print [{"model_type", "status", "reason", "max_abs_err"}, ...]')
+    parser.add_argument(
+        "--decode-steps", type=int, default=0, metavar="K",
+        help="also decode K tokens after the prefill, each stage with its own stage cache (default 0: one forward)",
+    )
+    parser.add_argument("--jobs", type=positive_int, default=1, metavar="N", help="worker processes (default 1)")
     parser.add_argument("--write-coverage", metavar="FILE", help="write the markdown coverage report to FILE (atomically)")
 
 
@@ -57,6 +62,14 @@ def _pp_sizes(values: Sequence[int]) -> list[int]:
     if bad:
         raise UsageError(f"--pp {bad[0]} is invalid: a pipeline has at least 1 stage")
     return sizes
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (the ``--jobs`` workers)."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 class _Progress:
@@ -112,6 +125,7 @@ def coverage_markdown(results: Sequence[Any], meta: dict[str, Any]) -> str:
     llama_like = [r for r in results if r.shape in ("llama", "llama-like")]
     gpt2 = [r for r in results if r.shape == "gpt2"]
     hf_checked = [r for r in results if r.hf_hidden_states_match is not None]
+    differ = [r.model_type for r in hf_checked if not r.hf_hidden_states_match]
     pp = ",".join(map(str, meta["pp"]))
     out = [
         "# Zoo coverage",
@@ -121,9 +135,16 @@ def coverage_markdown(results: Sequence[Any], meta: dict[str, Any]) -> str:
         f"Every causal-LM type of the installed transformers ({meta['transformers']}, torch {meta['torch']}), built as a "
         f"tiny random float32 model, adapted with `pipespec.adapt` and run as P = {pp} in-process stages (uneven "
         f"partitions; aux ids 0, every stage boundary, N and EAGLE3's defaults), compared with the unadapted model: "
-        f"final hidden state and every aux id, relative error <= {meta['rel_tol']:g}.",
+        f"final hidden state and every aux id, relative error <= {meta['rel_tol']:g}"
+        + (
+            f", after the prefill and after each of {meta['decode_steps']} decode steps (every stage with its own "
+            "`pipespec.stage_cache` cache; the reference with its own cache)."
+            if meta["decode_steps"]
+            else " (one forward, no cache; `--decode-steps K` adds decoding with per-stage caches)."
+        ),
         "",
-        f"Generated {meta['date']} in {meta['wall_s']:.1f} s wall, {meta['cpu_s']:.1f} s CPU (one process, one torch thread).",
+        f"Generated {meta['date']} in {meta['wall_s']:.1f} s wall, {meta['cpu_s']:.1f} s CPU "
+        f"({meta['jobs']} process(es), one torch thread each).",
         "",
         "## Counts",
         "",
@@ -149,7 +170,8 @@ def coverage_markdown(results: Sequence[Any], meta: dict[str, Any]) -> str:
         f"Of {len(hf_checked)} types whose reference ran with N+1 hidden states: `hidden_states[L]` is the input of layer L "
         f"for every L < N in {sum(bool(r.hf_hidden_states_match) for r in hf_checked)}; the last entry equals the post-norm "
         f"`last_hidden_state` in {sum(bool(r.hf_last_is_post_norm) for r in hf_checked)} (so aux id N is captured before the "
-        "norm, by a hook, not read from HF's list).",
+        "norm, by a hook, not read from HF's list)."
+        + (f" `hidden_states[L]` differs from the layer input in: {', '.join(differ)}." if differ else ""),
         "",
         f"Tiny models: {sum(not r.reason.startswith('could not build tiny model') for r in results)} of {len(results)} built; "
         f"{sum(bool(r.fixes) for r in results)} needed a per-type fix (`pipespec.zoo.tiny.FIXES`).",
@@ -171,18 +193,20 @@ def coverage_markdown(results: Sequence[Any], meta: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     types = _model_types(args.model_types)
     pp = _pp_sizes(args.pp)
+    if args.decode_steps < 0:
+        raise UsageError(f"--decode-steps {args.decode_steps} is invalid: give 0 (one forward) or a positive count")
     import torch
     import transformers
 
     from pipespec.zoo.runner import REL_TOL, run_zoo
 
     progress = _Progress(sys.stderr)
-    wall, cpu = time.perf_counter(), time.process_time()
+    wall, cpu = time.perf_counter(), _cpu_seconds()
     try:
-        results = run_zoo(types, pp, progress=progress)
+        results = run_zoo(types, pp, progress=progress, jobs=args.jobs, decode_steps=args.decode_steps)
     finally:
         progress.close()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    wall, cpu = time.perf_counter() - wall, _cpu_seconds() - cpu
     if args.json:
         print(json.dumps([r.to_json() for r in results]))
     else:
@@ -199,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
             "date": datetime.date.today().isoformat(),
             "wall_s": wall,
             "cpu_s": cpu,
+            "jobs": args.jobs,
+            "decode_steps": args.decode_steps,
         }
         write_atomic(args.write_coverage, coverage_markdown(results, meta))
         print(f"wrote {args.write_coverage}", file=sys.stderr)

@@ -57,8 +57,13 @@ GENERIC: dict[str, Any] = {
     # width
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "emb_dim", "dim"), HIDDEN),
     # depth
-    **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "num_decoder_layers"), LAYERS),
-    **dict.fromkeys(("encoder_layers", "num_encoder_layers"), 1),
+    # (encoder depth too: Bart-style configs alias num_hidden_layers to encoder_layers, and the decoder's
+    # DynamicCache(config) is sized by it)
+    **dict.fromkeys(
+        ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "num_decoder_layers", "encoder_layers",
+         "num_encoder_layers"),
+        LAYERS,
+    ),
     # attention heads
     **dict.fromkeys(
         ("num_attention_heads", "n_head", "n_heads", "attention_heads", "decoder_attention_heads",
@@ -121,7 +126,10 @@ _SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decode
 
 #: Depth for towers next to the text decoder (vision, audio): the zoo never runs them.
 _SIDE_LAYERS = 1
-_DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "num_decoder_layers", "num_blocks")
+_DEPTH_FIELDS = (
+    "num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "num_decoder_layers", "encoder_layers",
+    "num_encoder_layers", "num_blocks",
+)
 #: Sub-configs that hold the text decoder the zoo runs (every other sub-config is a side tower).
 _TEXT_SUB_CONFIGS = ("text_config", "decoder", "decoder_config", "language_config", "llm_config", "global_config")
 #: Recipe keys that are not config fields: nested sub-config recipes, and the sub-config to build from.
