@@ -30,6 +30,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -53,6 +54,10 @@ PRELOAD = [
     "pipespec.engine.worker", "pipespec.engine.draft_checkpoint", "pipespec.adapt", "pipespec.stage_cache",
 ]
 WATCHDOG_GRACE_S = 30.0
+# The rendezvous-store key where the first stage that loses a peer records what it lost (first writer
+# wins), and how long a failing stage waits on the store for it.
+LOST_PEER_KEY = "pipespec/first_lost_peer"
+STORE_PROBE_S = 5.0
 # After the first failure, how long to wait for a more telling report from another stage.
 ROOT_CAUSE_GRACE_S = 3.0
 TERMINATE_GRACE_S = 5.0
@@ -96,6 +101,11 @@ class StageContext:
     launcher: str  # "pipespec" or "torchrun"
     verbose: bool = False
     _watch: _Watch = field(default_factory=_Watch, repr=False)
+    # The rendezvous store and who hosts it: lets a stage that only lost an echo (a peer that exited
+    # because *its* peer died) name the stage that died first. ``None``: no record is kept.
+    store: Any = field(default=None, repr=False)
+    store_host: str = "the launcher"
+    store_address: tuple[str, int] | None = None
 
     @property
     def is_first(self) -> bool:
@@ -111,6 +121,31 @@ class StageContext:
             # One write of the whole line: stages share stderr, and a separate newline write interleaves.
             sys.stderr.write(f"[stage {self.rank}] {message}\n")
             sys.stderr.flush()
+
+    def first_lost_peer(self, failed: str) -> str:
+        """Record ``failed`` (this stage's failed call) as the pipeline's first loss unless another stage
+        was first; returns a suffix naming the first loss when it was another stage's, else ``""``.
+
+        Without a supervisor each stage only sees the peer it was talking to, which may be a survivor
+        that exited on its own loss; the first record names the stage that really died.
+        """
+        if self.store is None:
+            return ""
+        mine = f"stage {self.rank}: {failed}"
+        unreachable = f"; the rendezvous store is unreachable too ({self.store_host} is gone)"
+        if self.store_address is not None:
+            # Probe with a fresh connection first: a store call on a dead host makes torch log a C++ stack.
+            try:
+                socket.create_connection(self.store_address, timeout=STORE_PROBE_S).close()
+            except OSError:
+                return unreachable
+        try:
+            self.store.set_timeout(timedelta(seconds=STORE_PROBE_S))
+            first = self.store.compare_set(LOST_PEER_KEY, "", mine)
+        except Exception:  # noqa: BLE001 - the store's host is gone too
+            return unreachable
+        text = first.decode(errors="replace") if isinstance(first, bytes) else str(first)
+        return "" if text == mine else f"; first failure in the pipeline: {text}"
 
     @contextlib.contextmanager
     def waiting(self, what: str) -> Iterator[None]:
@@ -207,6 +242,7 @@ def _child_main(
         store = dist.TCPStore("127.0.0.1", port, world_size, False, ctx.timeout)
         with ctx.waiting("the other stages to join the process group"):
             dist.init_process_group(ctx.backend, store=store, rank=rank, world_size=world_size, timeout=ctx.timeout)
+        ctx.store, ctx.store_address = store, ("127.0.0.1", port)
         ctx.log(f"pid {os.getpid()} joined the {ctx.backend} process group on {ctx.device}")
         result = fn(ctx, payload)
         conn.send(("ok", result))
@@ -390,6 +426,15 @@ def _rendezvous_error(exc: BaseException) -> RendezvousError:
     )
 
 
+def _default_store() -> tuple[Any, str]:
+    """The ``env://`` group's store and its host (torchrun's agent, else rank 0); ``(None, ...)`` if unknown."""
+    host = "the torchrun agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "stage 0, its host,"
+    try:
+        return dist.distributed_c10d._get_default_store(), host
+    except Exception:  # noqa: BLE001 - a private helper: without it, stages just keep no loss record
+        return None, host
+
+
 def run_under_torchrun(
     fn: Callable[[StageContext, Any], Any], payload: Any, *, device_type: str = "cpu", timeout_s: float = 300.0,
     verbose: bool = False,
@@ -411,6 +456,9 @@ def run_under_torchrun(
             dist.init_process_group(ctx.backend, init_method="env://", rank=rank, world_size=world_size, timeout=ctx.timeout)
         except Exception as exc:  # noqa: BLE001 - DistNetworkError / DistStoreError / RuntimeError variants
             raise _rendezvous_error(exc) from None
+    ctx.store, ctx.store_host = _default_store()
+    with contextlib.suppress(KeyError, ValueError):
+        ctx.store_address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     try:
         return fn(ctx, payload)
     finally:

@@ -39,8 +39,13 @@ def _wait(ctx: StageContext, work: dist.Work | None, what: str) -> None:
             if work is not None:
                 work.wait(ctx.timeout)
     except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistBackendError subclasses
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PeerLostError(f"{what} failed ({first})") from exc
+        raise _lost(ctx, what, exc) from exc
+
+
+def _lost(ctx: StageContext, what: str, exc: BaseException) -> PeerLostError:
+    """``PeerLostError`` for a failed call; names the pipeline's first loss when this one is an echo."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return PeerLostError(f"{what} failed ({first}){ctx.first_lost_peer(what + ' failed')}")
 
 
 class _FlatBuffer:
@@ -119,7 +124,7 @@ class HopSender:
         try:
             work = dist.isend(flat, self.dst)
         except Exception as exc:  # noqa: BLE001
-            raise PeerLostError(f"{what} failed ({exc})") from exc
+            raise _lost(self.ctx, what, exc) from exc
         _wait(self.ctx, work, what)
         self.messages += 1
         self.bytes_sent += flat.numel() * flat.element_size()
@@ -144,7 +149,7 @@ class HopReceiver:
         try:
             work = dist.irecv(flat, self.src)
         except Exception as exc:  # noqa: BLE001
-            raise PeerLostError(f"{what} failed ({exc})") from exc
+            raise _lost(self.ctx, what, exc) from exc
         _wait(self.ctx, work, what)
         self.messages += 1
         return self.layout.unpack(flat, leading_shape)
@@ -174,7 +179,7 @@ class StepBroadcaster:
             try:
                 work = dist.broadcast(self.buffer, self.src, async_op=True)
             except Exception as exc:  # noqa: BLE001
-                raise PeerLostError(f"{what} failed ({exc})") from exc
+                raise _lost(self.ctx, what, exc) from exc
             _wait(self.ctx, work, what)
         self.messages += 1
         return self.buffer.cpu() if self.buffer.device.type != "cpu" else self.buffer.clone()
