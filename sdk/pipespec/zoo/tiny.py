@@ -525,6 +525,10 @@ FIXES: dict[str, Fix] = {
         _set(swa_num_attention_heads=HEADS, swa_num_key_value_heads=KV_HEADS, swa_head_dim=HEAD_DIM, sliding_window_size=4,
              unpadded_vocab_size=VOCAB, n_layers_per_attn_res_block=2),
     ),
+    "lfm2": Fix(
+        "full_attn_idxs defaults to every layer; real checkpoints mix short-convolution and attention layers",
+        _set(full_attn_idxs=[2, 5], layer_types=None),
+    ),
     "lfm2_moe": Fix(
         "layer_types has no default (the modeling code indexes it)",
         _set(layer_types=["conv", "full_attention", "conv", "conv", "full_attention", "conv"], num_dense_layers=1),
