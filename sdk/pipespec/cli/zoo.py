@@ -13,6 +13,7 @@ import argparse
 import collections
 import datetime
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -145,7 +146,8 @@ def coverage_markdown(results: Sequence[Any], meta: dict[str, Any]) -> str:
         ),
         "",
         f"Generated {meta['date']} in {meta['wall_s']:.1f} s wall, {meta['cpu_s']:.1f} s CPU "
-        f"({meta['jobs']} {'processes' if meta['jobs'] > 1 else 'process'}, one torch thread each).",
+        f"({meta['jobs']} {'processes' if meta['jobs'] > 1 else 'process'}, one torch thread each; {meta['cpus']} CPUs, "
+        f"load average {meta['load']:.1f} at the start, so other processes' share of the cores is in the wall time).",
         "",
         "## Counts",
         "",
@@ -209,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
     from pipespec.zoo.runner import REL_TOL, run_zoo
 
     progress = _Progress(sys.stderr)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     wall, cpu = time.perf_counter(), _cpu_seconds()
     try:
         results = run_zoo(types, pp, progress=progress, jobs=args.jobs, decode_steps=args.decode_steps)
@@ -233,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
             "cpu_s": cpu,
             "jobs": args.jobs,
             "decode_steps": args.decode_steps,
+            "load": load,
+            "cpus": os.cpu_count(),
         }
         write_atomic(args.write_coverage, coverage_markdown(results, meta))
         print(f"wrote {args.write_coverage}", file=sys.stderr)
