@@ -229,7 +229,7 @@ def test_decode_steps_with_stage_caches_verify_and_catch_a_stage_without_cache(m
     assert result.status == "failed" and "decode step 1" in result.reason, result.reason
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)  # two spawned workers each import torch and transformers
 def test_parallel_workers_keep_the_order_and_the_verdicts(capsys):
     assert main(["zoo", "--model-types", "rwkv,llama", "--jobs", "2", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
