@@ -567,6 +567,30 @@ def _under_inputs_embeds_none(stmt: cst.BaseStatement) -> bool:
     )
 
 
+#: Tensor functions/methods that change a tensor's shape (concatenating streams, adding dimensions).
+RESHAPES = frozenset(
+    ("cat", "concat", "concatenate", "stack", "expand", "unsqueeze", "view", "reshape", "repeat", "flatten", "permute", "transpose")
+)
+
+
+def _reshaping_call(stmt: cst.BaseStatement, tensors: set[str]) -> str | None:
+    """The reshaping function applied to the stream/embeddings in an assignment back to them, if any."""
+    for n in walk(stmt):
+        if not isinstance(n, (cst.Assign, cst.AugAssign, cst.AnnAssign)) or n.value is None:
+            continue
+        targets = [t.target for t in n.targets] if isinstance(n, cst.Assign) else [n.target]
+        if not any(isinstance(t, cst.Name) and t.value in tensors for t in targets):
+            continue
+        for call in walk(n.value):
+            if not isinstance(call, cst.Call):
+                continue
+            func = call.func
+            name = func.attr.value if isinstance(func, cst.Attribute) else (dotted(func) or "")
+            if name in RESHAPES and names_in(call) & tensors:
+                return name
+    return None
+
+
 def _classify_prologue(shape: ForwardShape, stmts: Sequence[cst.BaseStatement], line_of: Callable[[cst.CSTNode], int | None]) -> None:
     """Mark the statements after the embedding that change the stream as first-stage only."""
     stream = shape.loop.stream
@@ -598,6 +622,13 @@ def _classify_prologue(shape: ForwardShape, stmts: Sequence[cst.BaseStatement], 
             raise ShapeError(
                 f"this statement changes the embeddings and also computes {', '.join('`' + x + '`' for x in used_later)}, "
                 "which the rest of forward uses: a later stage cannot skip it and cannot run it",
+                line_of(stmt),
+            )
+        reshape = _reshaping_call(stmt, watched)
+        if reshape is not None:
+            raise ShapeError(
+                f"the first stage reshapes the stream with {reshape}(...): what it sends is not shaped like the "
+                "embeddings [batch, seq, hidden], so a later stage cannot derive masks and positions from it",
                 line_of(stmt),
             )
         shape.first_stage_only.append(i)

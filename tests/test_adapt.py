@@ -302,10 +302,13 @@ class Stack:
 
 @pytest.mark.parametrize(
     "model_type,name",
-    [("llama", "LlamaModel"), ("gpt2", "GPT2Model"), ("gemma3_text", "Gemma3TextModel"), ("bart", "BartDecoder"), ("exaone", "LlamaModel")],
+    [
+        ("llama", "LlamaModel"), ("gpt2", "GPT2Model"), ("gemma3_text", "Gemma3TextModel"), ("bart", "BartDecoder"),
+        ("opt", "OPTDecoder"), ("exaone", "LlamaModel"),
+    ],
 )
 def test_decoder_class_for_model_type_finds_the_stack(model_type: str, name: str) -> None:
-    """Through the causal-LM class's __init__ (and through delegating wrappers such as BartDecoderWrapper)."""
+    """Through the causal-LM class's __init__, and through wrappers that only run `self.decoder` (Bart, OPT)."""
     assert decoder_class_for_model_type(model_type).__name__ == name
 
 

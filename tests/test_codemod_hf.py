@@ -388,6 +388,20 @@ DECLINED = [
         r"`per_layer` is computed from input_ids and used by the layers",
     ),
     (
+        "first_stage_changes_the_stream_shape",
+        """
+        def forward(self, input_ids=None, inputs_embeds=None):
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_tokens(input_ids)
+            hidden_states = inputs_embeds
+            hidden_states = torch.cat([hidden_states, self.extra_stream(hidden_states)], 1)
+            for layer in self.layers:
+                hidden_states = layer(hidden_states)
+            return self.norm(hidden_states)
+        """,
+        r"line {torch.cat}: the first stage reshapes the stream with cat\(\.\.\.\)",
+    ),
+    (
         "partial_slice_of_the_stack",
         """
         def forward(self, input_ids=None, inputs_embeds=None):

@@ -187,11 +187,19 @@ def _assigned_class(klass: type, attr: str) -> type | None:
     return None
 
 
-def follow_delegate(cls: type) -> type:
-    """For a wrapper whose forward is ``return self.<x>(*args, **kwargs)``, the class of ``self.<x>``.
+def _runs_self_decoder_without_loop(func: cst.FunctionDef) -> bool:
+    """``forward`` calls ``self.decoder(...)`` and runs no loop of its own (``OPTModel``)."""
+    calls_decoder = any(isinstance(n, cst.Call) and dotted(n.func) == "self.decoder" for n in walk(func))
+    return calls_decoder and not any(isinstance(n, cst.For) for n in walk(func))
 
-    transformers' ``BartDecoderWrapper`` & co. exist only to hold the real decoder under a name; the
-    layers, and the forward to adapt, are in the wrapped class.
+
+def follow_delegate(cls: type) -> type:
+    """For a wrapper that only runs another module, the class of that module (where the layers are).
+
+    transformers' ``BartDecoderWrapper`` & co. (``return self.decoder(*args, **kwargs)``) exist only to
+    hold the real decoder under a name; ``OPTModel``'s forward runs ``self.decoder(...)`` and nothing
+    else of the stack (``OPTForCausalLM`` even calls ``self.model.decoder`` directly). The layers, and
+    the forward to adapt, are in the wrapped class.
     """
     owner = forward_owner(cls)
     try:
@@ -205,9 +213,12 @@ def follow_delegate(cls: type) -> type:
     pattern = m.SimpleStatementLine(
         body=[m.Return(value=m.Call(func=m.Attribute(value=m.Name("self")), args=[m.Arg(star="*"), m.Arg(star="**")]))]
     )
-    if len(body) != 1 or not m.matches(body[0], pattern):
+    if len(body) == 1 and m.matches(body[0], pattern):
+        attr = body[0].body[0].value.func.attr.value  # type: ignore[attr-defined]
+    elif _runs_self_decoder_without_loop(func):
+        attr = "decoder"
+    else:
         return cls
-    attr = body[0].body[0].value.func.attr.value  # type: ignore[attr-defined]
     for klass in cls.__mro__:
         found = _assigned_class(klass, attr)
         if found is not None:
