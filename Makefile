@@ -3,6 +3,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pipespec-installed
+# Stage processes share the cores: one intra-op thread each avoids oversubscription (10x slower otherwise).
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: demo test lint zoo bench clean venv
 
