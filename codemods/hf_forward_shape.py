@@ -27,6 +27,7 @@ import libcst.matchers as m
 #: Config keys that hold the number of decoder layers in HF configs we have seen.
 LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_blocks")
 
+
 class ShapeError(Exception):
     """The forward has a shape the HF codemod cannot adapt; ``str(exc)`` says which and where."""
 
