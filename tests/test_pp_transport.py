@@ -160,3 +160,17 @@ def test_describe_exit_names_signals() -> None:
 
 def test_peer_lost_error_is_a_pipespec_error() -> None:
     assert PeerLostError("x").exit_code == 1
+
+
+def test_stage_threads_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipespec.engine.worker import stage_threads
+    from pipespec.errors import UsageError
+
+    monkeypatch.delenv("PIPESPEC_THREADS", raising=False)
+    assert stage_threads(1) == max(1, os.cpu_count() or 1)
+    assert stage_threads(10_000) == 1
+    monkeypatch.setenv("PIPESPEC_THREADS", "3")
+    assert stage_threads(2) == 3
+    monkeypatch.setenv("PIPESPEC_THREADS", "zero")
+    with pytest.raises(UsageError, match="PIPESPEC_THREADS='zero' is not an integer"):
+        stage_threads(2)

@@ -55,6 +55,27 @@ class SeqState:
     draft_cache: Any = None
 
 
+THREADS_ENV = "PIPESPEC_THREADS"
+
+
+def stage_threads(world_size: int) -> int:
+    """Intra-op threads per CPU stage: ``$PIPESPEC_THREADS``, else the cores split evenly over the stages.
+
+    On a machine whose cores are busy with other work, fewer threads are much faster (idle-spinning
+    intra-op threads compete for the same cores): ``PIPESPEC_THREADS=1`` is the setting for that case.
+    """
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if value:
+        try:
+            threads = int(value)
+        except ValueError:
+            raise UsageError(f"{THREADS_ENV}={value!r} is not an integer") from None
+        if threads < 1:
+            raise UsageError(f"{THREADS_ENV}={threads} must be >= 1")
+        return threads
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 def eos_token_ids(target_dir: str, config: Any) -> frozenset[int]:
     """The EOS ids ``generate`` would stop on: generation_config.json, else the model config."""
     from transformers import GenerationConfig
@@ -185,6 +206,30 @@ class StageRunner:
         self._apply(stepmsg.decode(received, self.step, len(self.seqs), self.k))
         self.step += 1
 
+    def warmup(self) -> float:
+        """One throwaway prefill + verify forward (and draft proposals) through the whole pipeline.
+
+        A fresh process pays lazy CUDA/cuBLAS initialisation and kernel loading on the first forward of
+        each shape; without a warm-up that cost lands in ``tokens_per_s``. Every stage runs the same
+        two forwards on a throwaway cache (the hop shapes are known), so no message is needed.
+        """
+        started = time.perf_counter()
+        seq = SeqState(Request((0, 0), 1))
+        with torch.inference_mode():
+            seq.cache = self.target.new_cache()
+            if self.ctx.is_last and self.k:
+                seq.draft_cache = self.draft.new_cache(1, capacity=2 * self.k + 4)
+            out = self._forward(seq, [0, 0])
+            if out is not None and self.k:
+                self._propose(seq, out[1], [0, 0])
+            seq.committed = 2
+            out = self._forward(seq, [0] * (self.k + 1))
+            if out is not None and self.k:
+                self._propose(seq, [a[:, :1] for a in out[1]], [0])
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        return time.perf_counter() - started
+
     def run(self) -> float:
         """Decode every sequence to completion; the wall time in seconds."""
         started = time.perf_counter()
@@ -249,7 +294,7 @@ def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
     if job.pp != ctx.world_size:
         raise UsageError(f"--pp {job.pp} does not match the {ctx.world_size} processes started")
     if ctx.device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+        torch.set_num_threads(stage_threads(ctx.world_size))
     dtype = dtype_from_name(job.dtype) if job.dtype else (torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)
     k = job.num_spec_tokens
     prepared = prepare(job)
@@ -283,6 +328,7 @@ def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
 
     eos = frozenset() if job.ignore_eos else eos_token_ids(job.target, resolved.config)
     runner = StageRunner(ctx, job, target, draft, eos)
+    warmup = runner.warmup()
     elapsed = runner.run()
 
     stats = {"rank": ctx.rank, "start_layer": stage.start_layer, "end_layer": stage.end_layer, **load.to_json_dict(),
@@ -304,6 +350,7 @@ def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
         "mean_acceptance_length": _mean(all_acceptance),
         "num_new_tokens": new_tokens,
         "elapsed_s": round(elapsed, 4),
+        "warmup_s": round(warmup, 4),
         "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 else 0.0,
         "aux_layers": list(aux_layers),
         "aux_convention": info.aux_convention if info else None,
