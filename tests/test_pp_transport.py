@@ -167,8 +167,11 @@ def test_stage_threads_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -
     from pipespec.errors import UsageError
 
     monkeypatch.delenv("PIPESPEC_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert stage_threads(1) == max(1, os.cpu_count() or 1)
     assert stage_threads(10_000) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert stage_threads(2) == 2
     monkeypatch.setenv("PIPESPEC_THREADS", "3")
     assert stage_threads(2) == 3
     monkeypatch.setenv("PIPESPEC_THREADS", "zero")

@@ -59,19 +59,23 @@ THREADS_ENV = "PIPESPEC_THREADS"
 
 
 def stage_threads(world_size: int) -> int:
-    """Intra-op threads per CPU stage: ``$PIPESPEC_THREADS``, else the cores split evenly over the stages.
+    """Intra-op threads per CPU stage: ``$PIPESPEC_THREADS``, else ``$OMP_NUM_THREADS``, else the cores
+    split evenly over the stages.
 
     On a machine whose cores are busy with other work, fewer threads are much faster (idle-spinning
-    intra-op threads compete for the same cores): ``PIPESPEC_THREADS=1`` is the setting for that case.
+    intra-op threads compete for the same cores): 1 is the setting for that case (``make`` sets
+    ``OMP_NUM_THREADS=1``).
     """
-    value = os.environ.get(THREADS_ENV, "").strip()
-    if value:
+    for name in (THREADS_ENV, "OMP_NUM_THREADS"):
+        value = os.environ.get(name, "").strip()
+        if not value:
+            continue
         try:
             threads = int(value)
         except ValueError:
-            raise UsageError(f"{THREADS_ENV}={value!r} is not an integer") from None
+            raise UsageError(f"{name}={value!r} is not an integer") from None
         if threads < 1:
-            raise UsageError(f"{THREADS_ENV}={threads} must be >= 1")
+            raise UsageError(f"{name}={threads} must be >= 1")
         return threads
     return max(1, (os.cpu_count() or 1) // world_size)
 
