@@ -58,6 +58,7 @@ WATCHDOG_GRACE_S = 30.0
 # wins), and how long a failing stage waits on the store for it.
 LOST_PEER_KEY = "pipespec/first_lost_peer"
 STORE_PROBE_S = 5.0
+LOSS_SETTLE_S = 0.5
 # After the first failure, how long to wait for a more telling report from another stage.
 ROOT_CAUSE_GRACE_S = 3.0
 TERMINATE_GRACE_S = 5.0
@@ -135,6 +136,8 @@ class StageContext:
         unreachable = f"; the rendezvous store is unreachable too ({self.store_host} is gone)"
         if self.store_address is not None:
             # Probe with a fresh connection first: a store call on a dead host makes torch log a C++ stack.
+            # A killed host closes its sockets one by one; let it finish before the probe is believed.
+            time.sleep(LOSS_SETTLE_S)
             try:
                 socket.create_connection(self.store_address, timeout=STORE_PROBE_S).close()
             except OSError:
