@@ -12,6 +12,7 @@ Each launch runs several prompts, to keep the process start-ups few.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from functools import cache
@@ -23,6 +24,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipespec.cli import main
+from pipespec.cli.demo import shipped_pair
 from pipespec.engine.draft_checkpoint import TargetInfo, load_draft_checkpoint
 from pipespec.engine.testing import (
     target_aux_states,
@@ -238,3 +240,25 @@ def test_generation_stops_at_eos_like_generate(ckpts: dict[str, Path], tmp_path:
     assert expected[-1] == eos and len(expected) < 12
     assert result["output_ids"] == expected
     assert result["eos_token_ids"] == [eos]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(shipped_pair() is None, reason="no trained demo pair (with a tokenizer) shipped in pipespec/demo")
+def test_text_prompt_is_tokenized_and_decoded(capsys: pytest.CaptureFixture[str]) -> None:
+    """--prompt TEXT goes through the target's tokenizer; the report shows the text; ids match generate."""
+    from transformers import AutoTokenizer
+
+    pair = shipped_pair()
+    assert pair is not None
+    target, draft = pair
+    text = "def parse(line):\n"
+    capsys.readouterr()
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--pp", "2", "--prompt", text,
+                 "--max-new-tokens", "12", "--num-spec-tokens", "3"]) == 0
+    report = capsys.readouterr().out
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    prompt = tuple(tokenizer(text)["input_ids"])
+    expected = oracle(str(target), prompt, 12)
+    assert f"output ids: {expected}" in report
+    assert f"text: {tokenizer.decode(expected)!r}" in report
+    assert re.search(r"steps \d+, mean acceptance length [\d.]+, [\d.]+ tokens/s, pp 2 partition \[\d+, \d+\], k 3", report)
