@@ -177,3 +177,23 @@ def test_stage_threads_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("PIPESPEC_THREADS", "zero")
     with pytest.raises(UsageError, match="PIPESPEC_THREADS='zero' is not an integer"):
         stage_threads(2)
+
+
+def _slow_loader_stage(ctx: StageContext, delay: float) -> str:
+    """Stage 0 'loads' for ``delay`` s; then everyone meets at the post-loading barrier and does a step."""
+    from pipespec.engine.worker import wait_for_all_stages_loaded
+
+    if ctx.rank == 0:
+        time.sleep(delay)
+    wait_for_all_stages_loaded(ctx)
+    StepBroadcaster(ctx, 1, ctx.world_size - 1).broadcast(torch.ones(1, dtype=torch.int64) if ctx.is_last else None)
+    return "ok"
+
+
+@pytest.mark.timeout(120)
+def test_slow_loading_is_bounded_by_the_load_timeout_not_the_step_timeout() -> None:
+    """A stage loading for longer than --timeout is waited for (up to --load-timeout); without the
+    longer load timeout the same wait fails fast, naming what was awaited."""
+    assert run_stages(_slow_loader_stage, 4.0, 2, timeout_s=1.5, load_timeout_s=60) == ["ok", "ok"]
+    with pytest.raises(StageFailedError, match="stage 1 failed: PeerLostError: step broadcast from stage 1"):
+        run_stages(_slow_loader_stage, 8.0, 2, timeout_s=1.5)

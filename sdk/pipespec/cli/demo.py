@@ -86,7 +86,8 @@ def _launch(job: Any) -> dict[str, Any]:
     from pipespec.pp.launch import run_stages
 
     check_job(job)
-    return compose_output(job, run_stages(stage_main, job, job.pp, timeout_s=job.timeout_s), batch=True)
+    return compose_output(job, run_stages(stage_main, job, job.pp, timeout_s=job.timeout_s,
+                                                     load_timeout_s=job.load_timeout_s), batch=True)
 
 
 def run(args: argparse.Namespace) -> int:

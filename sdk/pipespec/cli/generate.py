@@ -49,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per stage)")
     parser.add_argument("--dtype", help="compute dtype (default float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                        help="seconds any stage waits on another before giving up (default 300)")
+                        help="seconds any stage waits on another during decoding before giving up (default 300)")
+    parser.add_argument("--load-timeout", type=float, default=1800.0, metavar="S",
+                        help="seconds a stage waits for the others to finish loading their weights (default 1800)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
     parser.add_argument("--trace", action="store_true",
                         help="add each output's draft_trace (the k drafts every verify step checked) to the JSON")
@@ -63,6 +65,8 @@ def job_from_args(args: argparse.Namespace) -> Any:
 
     if not (math.isfinite(args.timeout) and args.timeout > 0):  # nan and inf would fail deep in torch.distributed
         raise UsageError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+    if not (math.isfinite(args.load_timeout) and args.load_timeout > 0):
+        raise UsageError(f"--load-timeout must be a finite number of seconds > 0, got {args.load_timeout}")
     if args.dtype is not None:
         from pipespec.pp.loading import dtype_from_name
 
@@ -76,7 +80,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
         partition=tuple(args.partition) if args.partition is not None else None,
         requests=requests, num_spec_tokens=args.num_spec_tokens, aux_convention=args.aux_convention,
         device=args.device, dtype=args.dtype, timeout_s=args.timeout, verbose=args.verbose, ignore_eos=args.ignore_eos,
-        trace=args.trace,
+        trace=args.trace, load_timeout_s=args.load_timeout,
     )
 
 
@@ -142,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
 
     job = job_from_args(args)
     check_job(job)
-    results = run_stages(stage_main, job, job.pp, device_type=job.device, timeout_s=job.timeout_s, verbose=job.verbose)
+    results = run_stages(stage_main, job, job.pp, device_type=job.device, timeout_s=job.timeout_s,
+                         load_timeout_s=job.load_timeout_s, verbose=job.verbose)
     batch = args.prompts_file is not None
     result = compose_output(job, results, batch)
     announce_convention(result)

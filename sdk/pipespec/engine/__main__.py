@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
         rank = os.environ.get("RANK", "?")
         job = generate.job_from_args(args)
-        gathered = run_under_torchrun(_stage, job, device_type=job.device, timeout_s=job.timeout_s, verbose=job.verbose)
+        gathered = run_under_torchrun(_stage, job, device_type=job.device, timeout_s=job.timeout_s,
+                                      load_timeout_s=job.load_timeout_s, verbose=job.verbose)
         if gathered is not None:
             batch = args.prompts_file is not None
             result = generate.compose_output(job, gathered, batch)

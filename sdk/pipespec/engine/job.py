@@ -37,6 +37,7 @@ class GenerateJob:
     device: str = "cpu"
     dtype: str | None = None
     timeout_s: float = 300.0
+    load_timeout_s: float = 1800.0
     verbose: bool = False
     method: str = "eagle3"
     ignore_eos: bool = False

@@ -245,6 +245,18 @@ class StageRunner:
         return time.perf_counter() - started
 
 
+def wait_for_all_stages_loaded(ctx: StageContext) -> None:
+    """The first collective after loading, with the (long) load timeout.
+
+    Stages load independently and at different speeds (no collective while loading); without this
+    barrier the first hop of decoding would wait for a slow loader under the short per-step timeout.
+    """
+    started = time.perf_counter()
+    ready = StepBroadcaster(ctx, 1, ctx.world_size - 1)
+    ready.broadcast(torch.ones(1, dtype=torch.int64) if ctx.is_last else None, timeout=ctx.load_timeout)
+    ctx.log(f"all stages loaded (waited {time.perf_counter() - started:.2f} s)")
+
+
 def _mean(values: list[int]) -> float:
     return round(sum(values) / len(values), 4) if values else 0.0
 
@@ -331,6 +343,7 @@ def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
         draft_stats = {"draft_format": loaded.info.format, "draft_embedding": loaded.embedding, "draft_bytes_read": loaded.bytes_read}
 
     eos = frozenset() if job.ignore_eos else eos_token_ids(job.target, resolved.config)
+    wait_for_all_stages_loaded(ctx)
     runner = StageRunner(ctx, job, target, draft, eos)
     warmup = runner.warmup()
     elapsed = runner.run()

@@ -87,6 +87,7 @@ class _Watch:
 
     what: str | None = None
     since: float = 0.0
+    limit: float | None = None  # seconds this wait may take (None: the collective timeout + grace)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -101,6 +102,9 @@ class StageContext:
     timeout: timedelta
     launcher: str  # "pipespec" or "torchrun"
     verbose: bool = False
+    # How long a stage may wait for the others to finish loading (the first collective after loading);
+    # None: the collective timeout. Large checkpoints load for minutes; steps should fail in seconds.
+    load_timeout: timedelta | None = None
     _watch: _Watch = field(default_factory=_Watch, repr=False)
     # The rendezvous store and who hosts it: lets a stage that only lost an echo (a peer that exited
     # because *its* peer died) name the stage that died first. ``None``: no record is kept.
@@ -150,11 +154,17 @@ class StageContext:
         text = first.decode(errors="replace") if isinstance(first, bytes) else str(first)
         return "" if text == mine else f"; first failure in the pipeline: {text}"
 
+    @property
+    def group_timeout(self) -> timedelta:
+        """The process group's own timeout: long enough for the post-loading barrier."""
+        return max(self.timeout, self.load_timeout or self.timeout)
+
     @contextlib.contextmanager
-    def waiting(self, what: str) -> Iterator[None]:
+    def waiting(self, what: str, limit: timedelta | None = None) -> Iterator[None]:
         """Mark a blocking call for the watchdog; ``what`` names the peer in the hang message."""
         with self._watch.lock:
             self._watch.what, self._watch.since = what, time.monotonic()
+            self._watch.limit = limit.total_seconds() + WATCHDOG_GRACE_S if limit is not None else None
         try:
             yield
         finally:
@@ -196,9 +206,9 @@ def _start_watchdog(ctx: StageContext, launcher_pid: int | None) -> None:
                 ctx.log("the launcher is gone; exiting", always=True)
                 os._exit(1)
             with ctx._watch.lock:
-                what, since = ctx._watch.what, ctx._watch.since
-            if what is not None and time.monotonic() - since > limit:
-                ctx.log(f"no progress for {limit:.0f} s while waiting for {what}; exiting", always=True)
+                what, since, allowed = ctx._watch.what, ctx._watch.since, ctx._watch.limit or limit
+            if what is not None and time.monotonic() - since > allowed:
+                ctx.log(f"no progress for {allowed:.0f} s while waiting for {what}; exiting", always=True)
                 os._exit(1)
 
     threading.Thread(target=loop, name="pipespec-watchdog", daemon=True).start()
@@ -229,8 +239,8 @@ def _report(exc: BaseException) -> tuple[str, bool, int]:
 
 
 def _child_main(
-    rank: int, world_size: int, port: int, device_type: str, timeout_s: float, verbose: bool,
-    fn: Callable[[StageContext, Any], Any], payload: Any, conn: mpc.Connection, env: dict[str, str], launcher_pid: int,
+    rank: int, world_size: int, port: int, device_type: str, timeout_s: float, load_timeout_s: float | None,
+    verbose: bool, fn: Callable[[StageContext, Any], Any], payload: Any, conn: mpc.Connection, env: dict[str, str], launcher_pid: int,
 ) -> None:
     """Entry point of a stage process started by ``run_stages``."""
     os.environ.update(env)
@@ -238,13 +248,14 @@ def _child_main(
     ctx = StageContext(
         rank=rank, world_size=world_size, device=torch.device("cpu"), backend=backend_for(device_type),
         timeout=timedelta(seconds=timeout_s), launcher="pipespec", verbose=verbose,
+        load_timeout=timedelta(seconds=load_timeout_s) if load_timeout_s else None,
     )
     _start_watchdog(ctx, launcher_pid)
     try:
         ctx.device = _pick_device(device_type, rank)
         store = dist.TCPStore("127.0.0.1", port, world_size, False, ctx.timeout)
         with ctx.waiting("the other stages to join the process group"):
-            dist.init_process_group(ctx.backend, store=store, rank=rank, world_size=world_size, timeout=ctx.timeout)
+            dist.init_process_group(ctx.backend, store=store, rank=rank, world_size=world_size, timeout=ctx.group_timeout)
         ctx.store, ctx.store_address = store, ("127.0.0.1", port)
         ctx.log(f"pid {os.getpid()} joined the {ctx.backend} process group on {ctx.device}")
         result = fn(ctx, payload)
@@ -318,6 +329,7 @@ def run_stages(
     *,
     device_type: str = "cpu",
     timeout_s: float = 300.0,
+    load_timeout_s: float | None = None,
     verbose: bool = False,
     start_method: str | None = None,
     on_start: Callable[[list[int]], None] | None = None,
@@ -340,7 +352,8 @@ def run_stages(
             reader, writer = mpctx.Pipe(duplex=False)
             p = mpctx.Process(
                 target=_child_main,
-                args=(rank, world_size, store.port, device_type, timeout_s, verbose, fn, payload, writer, env, os.getpid()),
+                args=(rank, world_size, store.port, device_type, timeout_s, load_timeout_s, verbose, fn, payload, writer,
+                      env, os.getpid()),
                 name=f"pipespec-stage-{rank}",
                 daemon=True,
             )
@@ -440,7 +453,7 @@ def _default_store() -> tuple[Any, str]:
 
 def run_under_torchrun(
     fn: Callable[[StageContext, Any], Any], payload: Any, *, device_type: str = "cpu", timeout_s: float = 300.0,
-    verbose: bool = False,
+    load_timeout_s: float | None = None, verbose: bool = False,
 ) -> Any:
     """Run this process's stage of a world that ``torchrun`` set up (``env://`` rendezvous)."""
     try:
@@ -451,12 +464,13 @@ def run_under_torchrun(
     ctx = StageContext(
         rank=rank, world_size=world_size, device=torch.device("cpu"), backend=backend_for(device_type),
         timeout=timedelta(seconds=timeout_s), launcher="torchrun", verbose=verbose,
+        load_timeout=timedelta(seconds=load_timeout_s) if load_timeout_s else None,
     )
     _start_watchdog(ctx, None)
     ctx.device = _pick_device(device_type, local_rank)
     with ctx.waiting("the other stages to join the process group (env://)"):
         try:
-            dist.init_process_group(ctx.backend, init_method="env://", rank=rank, world_size=world_size, timeout=ctx.timeout)
+            dist.init_process_group(ctx.backend, init_method="env://", rank=rank, world_size=world_size, timeout=ctx.group_timeout)
         except Exception as exc:  # noqa: BLE001 - DistNetworkError / DistStoreError / RuntimeError variants
             raise _rendezvous_error(exc) from None
     ctx.store, ctx.store_host = _default_store()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,12 +33,13 @@ from pipespec.intermediate import IntermediateTensors
 from pipespec.pp.launch import PeerLostError, StageContext
 
 
-def _wait(ctx: StageContext, work: dist.Work | None, what: str) -> None:
-    """Wait for one transport call, turning a failure or timeout into ``PeerLostError``."""
+def _wait(ctx: StageContext, work: dist.Work | None, what: str, timeout: timedelta | None = None) -> None:
+    """Wait for one transport call (``timeout``, default the collective timeout), turning a failure or
+    timeout into ``PeerLostError``."""
     try:
-        with ctx.waiting(what):
+        with ctx.waiting(what, timeout):
             if work is not None:
-                work.wait(ctx.timeout)
+                work.wait(timeout or ctx.timeout)
     except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistBackendError subclasses
         raise _lost(ctx, what, exc) from exc
 
@@ -168,7 +170,7 @@ class StepBroadcaster:
         self.buffer = torch.zeros(numel, dtype=torch.int64, device=ctx.device)
         self.messages = 0
 
-    def broadcast(self, values: torch.Tensor | None = None) -> torch.Tensor:
+    def broadcast(self, values: torch.Tensor | None = None, timeout: timedelta | None = None) -> torch.Tensor:
         """On ``src`` pass the message; every stage gets it back (a CPU tensor)."""
         if self.ctx.rank == self.src:
             if values is None or values.numel() != self.buffer.numel():
@@ -180,6 +182,6 @@ class StepBroadcaster:
                 work = dist.broadcast(self.buffer, self.src, async_op=True)
             except Exception as exc:  # noqa: BLE001
                 raise _lost(self.ctx, what, exc) from exc
-            _wait(self.ctx, work, what)
+            _wait(self.ctx, work, what, timeout)
         self.messages += 1
         return self.buffer.cpu() if self.buffer.device.type != "cpu" else self.buffer.clone()
