@@ -170,9 +170,17 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
         arg_parser.add_argument("--spec", dest="spec", required=True, help="adapter spec (adapters/<name>.toml)")
 
     def __init__(
-        self, context: CodemodContext, class_name: str, spec: AdapterSpec | str, source: str | None = None
+        self,
+        context: CodemodContext,
+        class_name: str,
+        spec: AdapterSpec | str,
+        source: str | None = None,
+        add_imports: bool = True,
     ) -> None:
+        """``source`` names the origin in the marker (default ``<module>:<class_name>``); ``add_imports=False``
+        skips the module import edits (``pipespec.adapt`` compiles the forward alone and supplies the names)."""
         super().__init__(context)
+        self.add_imports = add_imports
         if isinstance(spec, str):
             spec = load_spec(spec)
         self.class_name = class_name
@@ -195,6 +203,14 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
         return SkipFile(f"{self.class_name}: {reason}")
 
     # ------------------------------------------------------------------------------ visitor
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        # Nothing inside a class is rewritten node by node: the target class is rebuilt whole in
+        # leave_ClassDef from the original nodes, so descending would only cost time.
+        return False
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False
+
     def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> cst.ClassDef:
         if original_node.name.value != self.class_name:
             return updated_node
@@ -249,8 +265,9 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
                 f"but spec {spec.name} says num_layers_key = {spec.num_layers_key!r}; using {shape.loop.num_layers_key!r}"
             )
         new_func = self._stage_forward(shape)
-        AddImportsVisitor.add_needed_import(self.context, "pipespec.intermediate", "IntermediateTensors")
-        AddImportsVisitor.add_needed_import(self.context, "pipespec.mixin", "AuxHiddenStatesMixin")
+        if self.add_imports:
+            AddImportsVisitor.add_needed_import(self.context, "pipespec.intermediate", "IntermediateTensors")
+            AddImportsVisitor.add_needed_import(self.context, "pipespec.mixin", "AuxHiddenStatesMixin")
         return self._adapted_class(original_node, func, new_func, shape)
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:

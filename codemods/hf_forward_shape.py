@@ -112,7 +112,7 @@ def _variable_names(node: cst.CSTNode) -> list[cst.Name]:
         if isinstance(n, cst.Name):
             out.append(n)
             return
-        for child in n.children:
+        for child in children(n):
             if isinstance(n, cst.Attribute) and child is n.attr:
                 continue
             if isinstance(n, cst.Arg) and child is n.keyword:
@@ -154,10 +154,28 @@ def _is_attr_or_subscript_base(target: cst.CSTNode, name: cst.Name) -> bool:
     )
 
 
+#: id(node) -> (node, its children). Holding the node keeps its id from being reused; bounded below.
+_CHILDREN: dict[int, tuple[cst.CSTNode, tuple[cst.CSTNode, ...]]] = {}
+_CHILDREN_MAX = 200_000
+
+
+def children(node: cst.CSTNode) -> Sequence[cst.CSTNode]:
+    """``node.children``, memoised: libcst recomputes it on every access, and the analysis walks the
+    same forward a dozen times (most of ``pipespec.adapt``'s time before this cache)."""
+    hit = _CHILDREN.get(id(node))
+    if hit is not None and hit[0] is node:
+        return hit[1]
+    if len(_CHILDREN) >= _CHILDREN_MAX:
+        _CHILDREN.clear()
+    found = tuple(node.children)
+    _CHILDREN[id(node)] = (node, found)
+    return found
+
+
 def walk(node: cst.CSTNode, *, into_functions: bool = False) -> Iterator[cst.CSTNode]:
     """Pre-order walk; by default does not enter nested defs, lambdas or classes."""
     yield node
-    for child in node.children:
+    for child in children(node):
         if not into_functions and isinstance(child, (cst.FunctionDef, cst.Lambda, cst.ClassDef)):
             continue
         yield from walk(child, into_functions=into_functions)
@@ -366,7 +384,7 @@ def _loop_control(body: cst.CSTNode) -> list[cst.CSTNode]:
     found: list[cst.CSTNode] = []
 
     def visit(node: cst.CSTNode, in_inner_loop: bool) -> None:
-        for child in node.children:
+        for child in children(node):
             if isinstance(child, (cst.FunctionDef, cst.Lambda, cst.ClassDef)):
                 continue
             if isinstance(child, (cst.Break, cst.Continue)) and not in_inner_loop:
@@ -682,7 +700,7 @@ def _reachable_reads(stmt: cst.CSTNode) -> list[cst.Name]:
         elif isinstance(node, cst.Arg):
             visit(node.value)
             return
-        for child in node.children:
+        for child in children(node):
             visit(child)
 
     visit(stmt)

@@ -43,7 +43,7 @@ from libcst.codemod import CodemodContext, SkipFile
 from pipespec.codemods.adapt_hf_stage_forward import MARKER_ATTR, AdaptHFStageForwardCommand, marker_text
 from pipespec.codemods.hf_forward_shape import find_forward, walk
 from pipespec.errors import UnsupportedModelError
-from pipespec.infer import forward_owner, infer_spec
+from pipespec.infer import class_source, forward_owner, infer_spec
 from pipespec.intermediate import IntermediateTensors
 from pipespec.mixin import AuxHiddenStatesMixin
 from pipespec.registry import default_registry
@@ -115,12 +115,12 @@ def _build(cls: type, spec: AdapterSpec) -> type:
         raise UnsupportedModelError(f"`{cls.__name__}` cannot run as pipeline stages: {spec.reason}")
     owner = forward_owner(cls)
     module = sys.modules[owner.__module__]
-    lines, first_line = inspect.getsourcelines(owner)
+    text, first_line = class_source(owner)
     # Pad with blank lines so positions in codemod messages are the real file's line numbers.
-    source = "\n" * (first_line - 1) + "".join(lines)
+    source = "\n" * (first_line - 1) + text
     origin = f"{owner.__module__}:{owner.__qualname__}"
     context = CodemodContext(full_module_name=owner.__module__, filename=inspect.getsourcefile(owner))
-    command = AdaptHFStageForwardCommand(context, owner.__name__, spec, source=origin)
+    command = AdaptHFStageForwardCommand(context, owner.__name__, spec, source=origin, add_imports=False)
     try:
         tree = command.transform_module(cst.parse_module(source))
     except SkipFile as exc:

@@ -12,6 +12,7 @@ libcst (``pipespec.codemods.hf_forward_shape``) and never imports or runs what i
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import re
@@ -34,6 +35,14 @@ from pipespec.errors import UnsupportedModelError, UsageError
 from pipespec.spec import AdapterSpec
 
 _MODEL_TYPE = re.compile(r"[a-z0-9_\-]+")
+
+
+@functools.lru_cache(maxsize=512)
+def class_source(cls: type) -> tuple[str, int]:
+    """(source text, first line number) of ``cls``; cached, since ``inspect`` re-parses the whole module
+    file to find a class and the runtime path asks once for the spec and once for the codemod."""
+    lines, first_line = inspect.getsourcelines(cls)
+    return "".join(lines), first_line
 
 
 def forward_owner(cls: type) -> type:
@@ -98,7 +107,7 @@ def infer_spec(
     """
     if isinstance(cls_or_source, type):
         owner = forward_owner(cls_or_source)
-        source = inspect.getsource(owner)
+        source, _ = class_source(owner)
         decoder_class = f"{cls_or_source.__module__}:{cls_or_source.__name__}"
         node = _class_def(source, owner.__name__)
         shown = cls_or_source.__name__
