@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -182,78 +183,111 @@ def expected_tau(alpha: float, k: int) -> float:
     return sum(alpha**i for i in range(k + 1))
 
 
-def _median_ms(fn: Callable[[], Any], repeats: int = 15) -> float:
+def _median_ms(fn: Callable[[], Any], device: Any, repeats: int = 15) -> float:
     import torch
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
 
 
-def project_70b(ks: Sequence[int], cs: Sequence[int], command: str, num_layers: int = 80) -> list[Result]:
-    """Speedup of a 70B-shaped target from measured per-layer, lm_head and draft costs (see module doc)."""
+@dataclass(frozen=True)
+class TargetShape:
+    """The dimensions the projection measures at (Llama-3-70B by default)."""
+
+    hidden: int = 8192
+    intermediate: int = 28672
+    heads: int = 64
+    kv_heads: int = 8
+    vocab: int = 128256
+    draft_vocab: int = 32000
+    num_layers: int = 80
+    context: int = 1024  # tokens already in the draft's KV cache when it proposes
+
+
+LLAMA_70B = TargetShape()
+
+
+def project_70b(ks: Sequence[int], cs: Sequence[int], command: str, *, device: str = "cuda",
+                shape: TargetShape = LLAMA_70B) -> list[Result]:
+    """Speedup of a 70B-shaped target from measured per-layer, lm_head and draft costs (see module doc).
+
+    ``device``/``shape`` exist so the same code runs on CPU at toy sizes in CI (tests/test_bench.py).
+    """
     import torch
     from transformers import LlamaConfig, LlamaModel
 
     from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig
 
-    device, dtype = torch.device("cuda", 0), torch.bfloat16
-    hidden, inter, vocab, draft_vocab = 8192, 28672, 128256, 32000
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=6, num_attention_heads=64,
-                         num_key_value_heads=8, vocab_size=256, max_position_embeddings=4096)
+    dev_t = torch.device(device, 0) if device == "cuda" else torch.device(device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hidden = shape.hidden
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=shape.intermediate, num_hidden_layers=6,
+                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=256,
+                         max_position_embeddings=4 * shape.context)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(dev_t):
             stack = LlamaModel(config).eval()
-            head = torch.nn.Linear(hidden, vocab, bias=False)
+            head = torch.nn.Linear(hidden, shape.vocab, bias=False)
             draft = Eagle3Draft(Eagle3DraftConfig.make(
-                hidden_size=hidden, num_attention_heads=64, num_key_value_heads=8, intermediate_size=inter,
-                vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=hidden, num_aux=3,
+                hidden_size=hidden, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                intermediate_size=shape.intermediate, vocab_size=shape.vocab, draft_vocab_size=shape.draft_vocab,
+                target_hidden_size=hidden, num_aux=3,
             ), with_embedding=True).eval()
     finally:
         torch.set_default_dtype(previous)
     layers = list(stack.layers)
+    memo: dict[tuple[str, Any], float] = {}
 
     def stack_ms(depth: int, tokens: tuple[int, int]) -> float:
         stack.layers = torch.nn.ModuleList(layers[:depth])
         stack.config.num_hidden_layers = depth
-        x = torch.randn(*tokens, hidden, device=device, dtype=dtype)
-        pos = torch.arange(tokens[1], device=device).expand(tokens[0], -1)
-        return _median_ms(lambda: stack(inputs_embeds=x, position_ids=pos, use_cache=False))
+        x = torch.randn(*tokens, hidden, device=dev_t, dtype=dtype)
+        pos = torch.arange(tokens[1], device=dev_t).expand(tokens[0], -1)
+        return _median_ms(lambda: stack(inputs_embeds=x, position_ids=pos, use_cache=False), dev_t)
 
     def layer_ms(tokens: tuple[int, int]) -> float:
-        # Two depths cancel the fixed cost (embedding-free entry, rotary, mask, final norm).
-        return (stack_ms(6, tokens) - stack_ms(2, tokens)) / 4
+        # Two depths cancel the fixed cost (rotary, mask, final norm); never below zero from noise.
+        if ("layer", tokens) not in memo:
+            memo["layer", tokens] = max((stack_ms(6, tokens) - stack_ms(2, tokens)) / 4, 0.0)
+        return memo["layer", tokens]
 
     def head_ms(n: int) -> float:
-        x = torch.randn(n, hidden, device=device, dtype=dtype)
-        return _median_ms(lambda: head(x))
+        if ("head", n) not in memo:
+            x = torch.randn(n, hidden, device=dev_t, dtype=dtype)
+            memo["head", n] = _median_ms(lambda: head(x), dev_t)
+        return memo["head", n]
 
     def draft_ms(batch: int, k: int, verified: int = 3) -> float:
-        cache = draft.new_cache(batch, capacity=4096)
-        ctx_aux = [torch.randn(batch, 1024, hidden, device=device, dtype=dtype) for _ in range(3)]
-        ids = torch.randint(0, vocab, (batch, 1024), device=device)
-        draft.propose(ctx_aux, ids, cache, num_tokens=1)  # a 1k-token context in the draft's cache
+        cache = draft.new_cache(batch, capacity=2 * shape.context)
+        ctx_aux = [torch.randn(batch, shape.context, hidden, device=dev_t, dtype=dtype) for _ in range(3)]
+        ids = torch.randint(0, shape.vocab, (batch, shape.context), device=dev_t)
+        draft.propose(ctx_aux, ids, cache, num_tokens=1)  # the context, in the draft's cache
         aux = [a[:, :verified] for a in ctx_aux]
-        return _median_ms(lambda: draft.propose(aux, ids[:, :verified], cache, num_tokens=k), repeats=10)
+        return _median_ms(lambda: draft.propose(aux, ids[:, :verified], cache, num_tokens=k), dev_t, repeats=10)
 
     alpha = acceptance_alpha(PUBLIC_TAU_K3, 3)
-    dev = device_name("cuda")
+    dev = device_name(device)
     out: list[Result] = []
     with torch.inference_mode():
         for c in cs:
-            plain = num_layers * layer_ms((c, 1)) + head_ms(c)
+            plain = shape.num_layers * layer_ms((c, 1)) + head_ms(c)
             for k in ks:
                 tau = expected_tau(alpha, k)
-                verify = num_layers * layer_ms((c, k + 1)) + head_ms(c * (k + 1))
+                verify = shape.num_layers * layer_ms((c, k + 1)) + head_ms(c * (k + 1))
                 drafting = draft_ms(c, k)
                 speedup = tau * plain / (verify + drafting)
                 goal = GOAL_GPU_C1 if c == 1 else 1.0
@@ -261,7 +295,8 @@ def project_70b(ks: Sequence[int], cs: Sequence[int], command: str, num_layers: 
                     f"P3.projection_70b.speedup.c{c}.k{k}", speedup, f">= {goal:g}", "x (projection)", speedup >= goal, dev,
                     command,
                     detail=(f"PROJECTION, not a run: tau {tau:.2f} (public tau(3)={PUBLIC_TAU_K3:g}, alpha {alpha:.3f}) x plain "
-                            f"step {plain:.2f} ms / (verify {verify:.2f} ms + draft {drafting:.2f} ms); {num_layers} "
-                            "Llama-3-70B-shaped layers, bf16, one H200 per measurement"),
+                            f"step {plain:.2f} ms / (verify {verify:.2f} ms + draft {drafting:.2f} ms); {shape.num_layers} "
+                            f"layers of H={hidden} I={shape.intermediate}, vocab {shape.vocab}, {str(dtype)[6:]}, "
+                            "costs measured on one device"),
                 ))
     return out
