@@ -38,7 +38,15 @@ def _wait(ctx: StageContext, work: dist.Work | None, what: str, timeout: timedel
     timeout into ``PeerLostError``."""
     try:
         with ctx.waiting(what, timeout):
-            if work is not None:
+            if work is None:
+                pass
+            elif ctx.backend == "nccl":
+                # NCCL: a wait with an explicit timeout is a *host* busy-wait until the kernel finishes
+                # (sleeping between polls), which serialises the CPU with every hop. Plain wait() only
+                # orders the current CUDA stream after the op; hangs are bounded by the process
+                # group's own timeout (NCCL watchdog) and the stage watchdog.
+                work.wait()
+            else:
                 work.wait(timeout or ctx.timeout)
     except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistBackendError subclasses
         raise _lost(ctx, what, exc) from exc
