@@ -327,3 +327,16 @@ def test_boundary_ids_belong_to_the_upstream_stage_in_the_adapted_forward() -> N
             for layer_id, got in zip((a, b), aux):
                 want = want_hidden[layer_id] if layer_id < N else want_pre_norm
                 torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_pipespec_adapt_is_callable_before_and_after_importing_the_submodule():
+    import importlib
+
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    import pipespec
+
+    first = pipespec.adapt(LlamaModel)
+    importlib.import_module("pipespec.adapt")  # rebinds the package attribute to the module
+    assert pipespec.adapt(LlamaModel) is first
+    assert "supports_aux_hidden_states_over_pp" in first.__dict__

@@ -35,6 +35,7 @@ import inspect
 import linecache
 import sys
 import threading
+import types
 from typing import Any
 
 import libcst as cst
@@ -161,3 +162,18 @@ def _build(cls: type, spec: AdapterSpec) -> type:
     for attr, value in attrs.items():
         setattr(adapted, attr, value)
     return adapted
+
+
+class _CallableModule(types.ModuleType):
+    """``pipespec.adapt`` is both this module and the function ``adapt``.
+
+    Importing the submodule (``from pipespec.adapt import adapt``) makes the package attribute
+    ``pipespec.adapt`` the module; making the module callable keeps ``pipespec.adapt(cls)`` working
+    whichever of the two a user ends up holding.
+    """
+
+    def __call__(self, cls: type, spec: AdapterSpec | None = None) -> type:
+        return adapt(cls, spec)
+
+
+sys.modules[__name__].__class__ = _CallableModule
