@@ -51,10 +51,12 @@ A forward that reports no capture at all still works: ``send`` then sends the mi
 before ``hidden_states``, in the same wire order (correct, just not overlapped).
 
 On CUDA every send is issued on a side stream that first waits on the compute stream (so it sends the
-finished value), the tensor is ``record_stream``-ed on that side stream and kept referenced until its
-send completed (so the caching allocator cannot hand its memory to a later layer), and the compute
-stream never waits for a send. Every wait uses the collective timeout, is marked for the stage
-watchdog, and raises ``PeerLostError`` naming the peer on failure.
+finished value), the tensor is ``record_stream``-ed on that side stream and kept referenced until
+``send`` has waited on its send (so the caching allocator cannot hand its memory to a later layer), and
+the compute stream is ordered after the sends only at the end of ``send``. Every wait is marked for the stage watchdog and
+raises ``PeerLostError`` naming the peer on failure; on gloo it uses the collective timeout, on NCCL it
+is stream-ordered (the relay transport's choice: a timed NCCL wait is a host busy-wait) and bounded by
+the process group's timeout.
 """
 
 from __future__ import annotations
@@ -310,7 +312,14 @@ class OverlapTransport:
     def _wait(self, work: Any, what: str) -> None:
         try:
             with self.ctx.waiting(what):
-                if work is not None:
+                if work is None:
+                    pass
+                elif self.ctx.backend == "nccl":
+                    # As the relay transport does: a timed NCCL wait busy-waits the host; a plain wait orders
+                    # the current stream after the op (so buffers are reused only after it), and a hang is
+                    # bounded by the process group's timeout and the stage watchdog.
+                    work.wait()
+                else:
                     work.wait(self.ctx.timeout)
         except Exception as exc:  # noqa: BLE001
             raise self._lost(what, exc) from exc
