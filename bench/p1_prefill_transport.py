@@ -120,8 +120,9 @@ def _stage(ctx: Any, cfg: P1Config) -> dict[str, Any]:
             if not ctx.is_first else None
         relay[name] = (send, recv)
         overlap[name] = OverlapTransport(ctx, plan, cfg.hidden, dtype, max_leading_shape=biggest)
-    # Barriers go over gloo even on CUDA: a host-side rendezvous, no NCCL kernel in the timed region.
-    control = dist.new_group(backend="gloo") if device.type == "cuda" else None
+    # Barriers go over their own gloo group (on CUDA too): a host-side rendezvous, no NCCL kernel near
+    # the timed region, and the same code path on both devices.
+    control = dist.new_group(backend="gloo")
 
     def sync() -> None:
         if device.type == "cuda":

@@ -77,15 +77,22 @@ def _stage(ctx: Any, cfg: P2Config) -> dict[str, Any]:
             for send, _ in steps:
                 send.send(tensors)
 
+    def sync() -> None:
+        # NCCL waits are stream-ordered (the host runs ahead): time what the GPU did, not what was queued.
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+
     results: dict[int, dict[str, float]] = {}
     for tokens in cfg.tokens:
         tensors = {k: torch.randn(1, tokens, cfg.hidden).to(ctx.device, dtype) for k in keys["packed"]}
         samples: dict[str, list[float]] = {v: [] for v in ("none", "packed", "separate")}
         for r in range(cfg.repeats + 1):
             for variant in samples:
+                sync()
                 started = time.perf_counter()
                 for _ in range(cfg.inner):
                     hop(variant, tensors, tokens)
+                sync()
                 elapsed = time.perf_counter() - started
                 if r > 0:  # the first round warms up buffers and (on NCCL) the communicator
                     samples[variant].append(elapsed / (2 * cfg.inner))
