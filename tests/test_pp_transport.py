@@ -57,18 +57,20 @@ def test_hop_layout_names_a_missing_key() -> None:
 def test_step_message_round_trips_and_checks_the_step() -> None:
     k = 3
     updates = [
-        stepmsg.SeqUpdate(ran=True, done=False, accepted=2, tokens=[7, 8, 9], kept=3, drafts=[1, 2, 3]),
+        stepmsg.SeqUpdate(ran=True, done=False, accepted=2, tokens=[7, 8, 9], kept=3, drafts=[1, 2, 3], request=4, generation=1),
         stepmsg.SeqUpdate(),
-        stepmsg.SeqUpdate(ran=True, done=True, accepted=0, tokens=[4], kept=1, drafts=[]),
+        stepmsg.SeqUpdate(ran=True, done=True, accepted=0, tokens=[4], kept=1, drafts=[], request=0, generation=0),
     ]
-    message = stepmsg.encode(5, updates, k)
-    assert message.numel() == stepmsg.message_size(3, k) == 2 + 3 * (4 + 2 * k)
-    decoded = stepmsg.decode(message, 5, 3, k)
+    message = stepmsg.encode(5, 1, updates, k)
+    assert message.numel() == stepmsg.message_size(3, k) == 3 + 3 * (6 + 2 * k)
+    decoded = stepmsg.decode(message, 5, 1, 3, k)
     assert decoded[0] == updates[0]
     assert decoded[1] == stepmsg.SeqUpdate()
     assert decoded[2] == updates[2]
     with pytest.raises(RuntimeError, match="out of step"):
-        stepmsg.decode(message, 6, 3, k)
+        stepmsg.decode(message, 6, 1, 3, k)
+    with pytest.raises(RuntimeError, match="out of step"):
+        stepmsg.decode(message, 5, 0, 3, k)
 
 
 # ----------------------------------------------------------------------------- real processes

@@ -40,8 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt", metavar="TEXT", help="prompt text (needs a tokenizer in the target directory)")
     src.add_argument("--prompt-ids", type=int_list, metavar="1,2,3", help="prompt token ids")
     src.add_argument("--prompts-file", metavar="FILE",
-                     help='JSON lines, each {"prompt": ...} or {"prompt_ids": [...]}, optionally "max_new_tokens"')
+                     help='JSON lines, each {"prompt": ...} or {"prompt_ids": [...]}, optionally "max_new_tokens" and '
+                          '"cancel_after" (cancel once its n-th target forward is in flight)')
     parser.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="M", help="new tokens per prompt (default 32)")
+    parser.add_argument("--micro-batches", type=positive_int, metavar="N",
+                        help="micro-batches in flight through the pipeline (default: P, or the number of sequences if "
+                             "fewer; 1 = every step waits for the last stage)")
+    parser.add_argument("--max-num-seqs", type=positive_int, metavar="S",
+                        help="sequences decoded at once; the others wait for a free slot (default: all prompts)")
     parser.add_argument("--num-spec-tokens", type=non_negative_int, default=3, metavar="K",
                         help="draft tokens verified per step (default 3; 0 = plain pipeline decoding)")
     parser.add_argument("--aux-convention", choices=("input", "output"),
@@ -80,7 +86,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
         partition=tuple(args.partition) if args.partition is not None else None,
         requests=requests, num_spec_tokens=args.num_spec_tokens, aux_convention=args.aux_convention,
         device=args.device, dtype=args.dtype, timeout_s=args.timeout, verbose=args.verbose, ignore_eos=args.ignore_eos,
-        trace=args.trace, load_timeout_s=args.load_timeout,
+        trace=args.trace, load_timeout_s=args.load_timeout, micro_batches=args.micro_batches, max_num_seqs=args.max_num_seqs,
     )
 
 
@@ -116,12 +122,14 @@ def print_result(result: dict[str, Any], as_json: bool, batch: bool) -> None:
     outputs = result["outputs"] if batch else [result]
     for i, out in enumerate(outputs):
         label = f"[{i}] " if batch else ""
-        print(f"{label}output ids: {out['output_ids']}")
+        cancelled = " (cancelled)" if out.get("finish_reason") == "cancelled" else ""
+        print(f"{label}output ids{cancelled}: {out['output_ids']}")
         if "text" in out:
             print(f"{label}text: {out['text']!r}")
     print(
         f"steps {result['num_steps']}, mean acceptance length {result['mean_acceptance_length']:.2f}, "
-        f"{result['tokens_per_s']:.1f} tokens/s, pp {result['pp']} partition {result['partition']}, k {result['num_spec_tokens']}"
+        f"{result['tokens_per_s']:.1f} tokens/s, pp {result['pp']} partition {result['partition']}, k {result['num_spec_tokens']}, "
+        f"micro-batches {result['micro_batches']}"
     )
     for s in result["stages"]:
         share = s["bytes_read"] / s["checkpoint_bytes"] if s["checkpoint_bytes"] else 0.0

@@ -18,11 +18,16 @@ from pipespec.errors import CheckpointError, UsageError
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt: its token ids and how many new tokens it may get."""
+    """One prompt: its token ids, how many new tokens it may get, and optionally when to cancel it.
+
+    ``cancel_after = n`` cancels the request once its n-th target forward is in flight (the prefill is
+    the first); see ``pipespec.engine.microbatch``.
+    """
 
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     prompt: str | None = None
+    cancel_after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,10 @@ class GenerateJob:
     method: str = "eagle3"
     ignore_eos: bool = False
     trace: bool = False
+    # Micro-batches in flight (None: P, or fewer when fewer sequences run) and the cap on sequences
+    # running at once (None: every request at once); see pipespec.engine.microbatch.
+    micro_batches: int | None = None
+    max_num_seqs: int | None = None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -123,12 +132,15 @@ def build_requests(
         budget = entry.get("max_new_tokens", max_new_tokens)
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise UsageError(f"{where}: max_new_tokens must be an integer >= 1, got {budget!r}")
+        cancel = entry.get("cancel_after")
+        if cancel is not None and (isinstance(cancel, bool) or not isinstance(cancel, int) or cancel < 1):
+            raise UsageError(f"{where}: cancel_after must be an integer >= 1 (target forwards, the prefill is the first), got {cancel!r}")
         if "prompt" in entry:
             if not isinstance(entry["prompt"], str):
                 raise UsageError(f"{where}: prompt must be a string")
-            requests.append(Request(encode(entry["prompt"], where), budget, entry["prompt"]))
+            requests.append(Request(encode(entry["prompt"], where), budget, entry["prompt"], cancel))
         else:
-            requests.append(Request(_ids(entry["prompt_ids"], where), budget))
+            requests.append(Request(_ids(entry["prompt_ids"], where), budget, cancel_after=cancel))
     if not requests:
         raise UsageError(f"--prompts-file {path} holds no prompts")
     return tuple(requests)

@@ -1,22 +1,29 @@
-"""The per-step broadcast: what the last stage tells every stage after each target forward.
+"""The per-round message: what the last stage tells every stage after one micro-batch's target forward.
 
-One int64 message of fixed size ``2 + c·(3 + 2k + 1)`` for ``c`` sequences and ``k`` speculative tokens::
+The engine keeps up to M micro-batches in flight (``pipespec.engine.microbatch``). Each time a
+micro-batch goes through the pipeline (one *round* of it), the last stage sends one int64 message of
+fixed size ``3 + S·(6 + 2k)`` for ``S`` slots per micro-batch and ``k`` speculative tokens::
 
-    [ step, c | seq 0: flags, accepted, kept, tokens[k+1], drafts[k] | seq 1: ... ]
+    [ round, micro_batch, S | slot 0: request, generation, flags, accepted, kept, tokens[k+1], drafts[k] | slot 1: ... ]
 
-* ``step`` — 0 for the prefill, then 1, 2, ...; every stage checks it against its own counter, so stages
-  that fell out of step fail loudly instead of mixing sequences up;
-* ``flags`` — bit 0: the sequence ran in this step; bit 1: it is finished (EOS or its token budget);
+* ``round``, ``micro_batch`` — which round of which micro-batch this is; every stage checks both
+  against its own schedule, so stages that fell out of step fail loudly instead of mixing sequences up;
+* ``request``, ``generation`` — which request occupied the slot when the round was launched, and the
+  slot's generation counter then (bumped each time the slot is released). A receiver whose slot has
+  moved on (the request was cancelled while the round was in flight) ignores the entry: it is stale;
+* ``flags`` — bit 0: the slot ran a forward this round; bit 1: the sequence is finished (EOS or its
+  token budget);
 * ``accepted`` — ``a``, how many of the k drafts the target confirmed (0 at prefill);
-* ``tokens`` — the ``a + 1`` tokens the step produced (the accepted drafts, then the target's bonus
+* ``tokens`` — the ``a + 1`` tokens the round produced (the accepted drafts, then the target's bonus
   token; at prefill only the first sampled token), padded with -1;
 * ``kept`` — how many of them count as output (fewer when EOS or ``max_new_tokens`` cut them);
 * ``drafts`` — the draft's next k proposals (-1 when finished or k = 0).
 
 Every stage updates its own copy of each sequence's state from this message: the committed length of
-its KV cache (``+ a + 1`` per verify step, after cropping the rejected positions), the pending token
-(the bonus) and the drafts — which is exactly what it needs to shape the next forward without asking
-anyone.
+its KV cache (``+ a + 1`` per verify round, after cropping the rejected positions), the pending token
+(the bonus) and the drafts — which is exactly what it needs to shape the sequence's next forward
+without asking anyone. The size depends only on ``S`` and ``k``, which every stage derives from the
+job, so no size or metadata ever travels.
 """
 
 from __future__ import annotations
@@ -28,16 +35,22 @@ import torch
 
 RAN = 1
 DONE = 2
+HEADER = 3
 
 
-def message_size(num_sequences: int, k: int) -> int:
-    """Number of int64 values in one step message."""
-    return 2 + num_sequences * (3 + 2 * k + 1)
+def entry_size(k: int) -> int:
+    """int64 values per slot: request, generation, flags, accepted, kept, k + 1 tokens, k drafts."""
+    return 6 + 2 * k
+
+
+def message_size(num_slots: int, k: int) -> int:
+    """Number of int64 values in one round message."""
+    return HEADER + num_slots * entry_size(k)
 
 
 @dataclass
 class SeqUpdate:
-    """One sequence's part of a step message."""
+    """One slot's part of a round message."""
 
     ran: bool = False
     done: bool = False
@@ -45,46 +58,50 @@ class SeqUpdate:
     tokens: list[int] = field(default_factory=list)
     kept: int = 0
     drafts: list[int] = field(default_factory=list)
+    request: int = -1
+    generation: int = -1
 
 
-def encode(step: int, updates: Sequence[SeqUpdate], k: int) -> torch.Tensor:
-    """Pack a step's updates (last stage)."""
-    stride = 3 + 2 * k + 1
+def encode(round_: int, micro_batch: int, updates: Sequence[SeqUpdate], k: int) -> torch.Tensor:
+    """Pack one round's updates, one per slot (last stage)."""
+    stride = entry_size(k)
     out = torch.full((message_size(len(updates), k),), -1, dtype=torch.int64)
-    out[0], out[1] = step, len(updates)
+    out[0], out[1], out[2] = round_, micro_batch, len(updates)
     for i, u in enumerate(updates):
-        base = 2 + i * stride
+        base = HEADER + i * stride
         if len(u.tokens) > k + 1 or (u.drafts and len(u.drafts) != k):
-            raise ValueError(f"sequence {i}: {len(u.tokens)} tokens / {len(u.drafts)} drafts do not fit k={k}")
-        out[base] = (RAN if u.ran else 0) | (DONE if u.done else 0)
-        out[base + 1] = u.accepted
-        out[base + 2] = u.kept
+            raise ValueError(f"slot {i}: {len(u.tokens)} tokens / {len(u.drafts)} drafts do not fit k={k}")
+        out[base] = u.request
+        out[base + 1] = u.generation
+        out[base + 2] = (RAN if u.ran else 0) | (DONE if u.done else 0)
+        out[base + 3] = u.accepted
+        out[base + 4] = u.kept
         if u.tokens:
-            out[base + 3 : base + 3 + len(u.tokens)] = torch.tensor(u.tokens, dtype=torch.int64)
+            out[base + 5 : base + 5 + len(u.tokens)] = torch.tensor(u.tokens, dtype=torch.int64)
         if u.drafts:
-            out[base + 4 + k : base + 4 + 2 * k] = torch.tensor(u.drafts, dtype=torch.int64)
+            out[base + 6 + k : base + 6 + 2 * k] = torch.tensor(u.drafts, dtype=torch.int64)
     return out
 
 
-def decode(message: torch.Tensor, expected_step: int, num_sequences: int, k: int) -> list[SeqUpdate]:
-    """Unpack a step message (every stage), checking that all stages are at the same step."""
+def decode(message: torch.Tensor, expected_round: int, expected_micro_batch: int, num_slots: int, k: int) -> list[SeqUpdate]:
+    """Unpack a round message (every stage), checking that it is the round this stage expects."""
     values = message.tolist()
-    if values[0] != expected_step or values[1] != num_sequences:
+    if values[:HEADER] != [expected_round, expected_micro_batch, num_slots]:
         raise RuntimeError(
-            f"step message says step {values[0]} for {values[1]} sequences, this stage expected step {expected_step} "
-            f"for {num_sequences}: the stages are out of step"
+            f"round message says round {values[0]} of micro-batch {values[1]} with {values[2]} slots, this stage "
+            f"expected round {expected_round} of micro-batch {expected_micro_batch} with {num_slots}: the stages are out of step"
         )
-    stride = 3 + 2 * k + 1
+    stride = entry_size(k)
     updates = []
-    for i in range(num_sequences):
-        base = 2 + i * stride
-        flags, accepted, kept = values[base : base + 3]
+    for i in range(num_slots):
+        base = HEADER + i * stride
+        request, generation, flags, accepted, kept = values[base : base + 5]
         ran = bool(flags & RAN)
         n_tokens = accepted + 1 if ran else 0
-        tokens = values[base + 3 : base + 3 + n_tokens]
-        drafts = values[base + 4 + k : base + 4 + 2 * k]
+        tokens = values[base + 5 : base + 5 + n_tokens]
+        drafts = values[base + 6 + k : base + 6 + 2 * k]
         updates.append(SeqUpdate(
             ran=ran, done=bool(flags & DONE), accepted=accepted, tokens=tokens, kept=kept,
-            drafts=drafts if ran and not flags & DONE and k > 0 else [],
+            drafts=drafts if ran and not flags & DONE and k > 0 else [], request=request, generation=generation,
         ))
     return updates

@@ -1,23 +1,33 @@
-"""One stage process of ``pipespec generate``: load this stage, then run greedy EAGLE3 decoding in lockstep.
+"""One stage process of ``pipespec generate``: load this stage, then run greedy EAGLE3 decoding with up
+to M micro-batches in flight.
 
-Every stage runs the same loop over the same replicated state; only the last stage decides anything.
+Every stage runs the same schedule over the same replicated state (``pipespec.engine.microbatch``);
+only the last stage decides anything, and its per-round message keeps the copies equal.
 
-Prefill (step 0): for each prompt ``x_0..x_{n-1}`` in order, stage 0 embeds it and runs its layers, each
-stage hands its packed ``IntermediateTensors`` to the next, and the last stage takes the greedy token
-``x_n`` from the final logits; the draft reads the aux states of all ``n`` positions paired with
-``x_1..x_n`` and proposes ``d_1..d_k``. One broadcast then tells every stage ``x_n`` and the drafts.
+Sequences are grouped into M micro-batches that take turns (round-robin). A *round* of a micro-batch
+runs one target forward for each of its sequences, one sequence after the other through the
+pipeline:
 
-Verify step: for each unfinished sequence with ``c`` tokens committed to its KV cache, the pipeline
+Prefill (a sequence's first forward): stage 0 embeds the prompt ``x_0..x_{n-1}`` and runs its layers,
+each stage hands its packed ``IntermediateTensors`` to the next, and the last stage takes the greedy
+token ``x_n`` from the final logits; the draft reads the aux states of all ``n`` positions paired with
+``x_1..x_n`` and proposes ``d_1..d_k``.
+
+Verify (every later forward): for a sequence with ``c`` tokens committed to its KV cache, the pipeline
 runs ``[x_n, d_1..d_k]`` at positions ``c..c+k``; the last stage's greedy predictions ``y_0..y_k``
 accept the longest prefix with ``d_j == y_{j-1}`` (``a`` drafts) plus the bonus token ``y_a``; the draft
 reads the aux states of those ``a + 1`` positions paired with ``d_1..d_a, y_a`` and proposes the next k.
-One broadcast per step carries, for every sequence, ``a``, the tokens and the drafts; every stage crops
-its KV cache to ``c + a + 1`` (dropping the rejected positions) and updates its copy of the state.
 
-``k = 0`` is plain pipeline-parallel decoding: one token per step, no draft. Every sequence has its own
-KV caches, so sequences in one batch accept different numbers of drafts without padding; sequences go
-through the pipeline one after the other, so stage ``s`` works on sequence ``i + 1`` while stage
-``s + 1`` works on sequence ``i``.
+After the round, the last stage publishes one message for the micro-batch (``pipespec.engine.step``:
+per slot ``a``, the tokens, the drafts) without waiting for anyone, and goes on with the next
+micro-batch; every other stage has posted the receive for it and reads it only when that
+micro-batch's turn comes again (M turns later). Then every stage crops each sequence's KV cache to
+``c + a + 1`` (dropping the rejected positions) and updates its copy of the state. With M = 1 every
+round waits for the previous round's message: the pipeline drains each step.
+
+``k = 0`` is plain pipeline-parallel decoding: one token per round, no draft. Every sequence has its
+own KV caches, so sequences accept different numbers of drafts without padding, finish at different
+rounds, and leave their slot to a waiting request (``--max-num-seqs``) or to nobody.
 """
 
 from __future__ import annotations
@@ -32,22 +42,24 @@ import torch
 from pipespec.embed import spec_decode_needs_target_embed
 from pipespec.engine import step as stepmsg
 from pipespec.engine.job import GenerateJob, Request
+from pipespec.engine.microbatch import Scheduler, default_micro_batches
 from pipespec.engine.target import TargetStage, build_target_stage, resolve_target
 from pipespec.errors import UsageError
 from pipespec.pp.launch import StageContext
 from pipespec.pp.loading import dtype_from_name
-from pipespec.pp.transport import HopReceiver, HopSender, StepBroadcaster
+from pipespec.pp.transport import HopReceiver, HopSender, StepBroadcaster, StepChannel
 
 
 @dataclass
 class SeqState:
-    """One sequence as every stage sees it (kept identical on all stages by the step broadcast)."""
+    """One sequence as every stage sees it (kept identical on all stages by the round messages)."""
 
     request: Request
-    committed: int = 0
+    committed: int = 0  # tokens in this sequence's KV cache; 0 until its prefill's message is applied
     pending: int = -1
     drafts: list[int] = field(default_factory=list)
     done: bool = False
+    finish_reason: str | None = None  # "stop" (EOS), "length" (max_new_tokens) or "cancelled"
     output: list[int] = field(default_factory=list)
     acceptance: list[int] = field(default_factory=list)
     trace: list[list[int]] = field(default_factory=list)  # the drafts each verify step checked
@@ -102,17 +114,24 @@ class StageRunner:
         self.k = job.num_spec_tokens
         self.eos = eos
         self.seqs = [SeqState(r) for r in job.requests]
+        micro_batches = job.micro_batches or default_micro_batches(ctx.world_size, len(self.seqs), job.max_num_seqs)
+        self.scheduler = Scheduler(
+            len(self.seqs), micro_batches, max_num_seqs=job.max_num_seqs, cancel_after=[r.cancel_after for r in job.requests]
+        )
         longest = max(len(r.prompt_ids) for r in job.requests)
         max_tokens = max(longest, self.k + 1)
         hidden, dtype = target.hidden_size, target.dtype
+        # Two send buffers: a stage computes its next forward while the previous one's output travels.
         self.sender = (
-            HopSender(ctx, target.send_keys(), hidden, dtype, ctx.rank + 1, (1, max_tokens)) if not ctx.is_last else None
+            HopSender(ctx, target.send_keys(), hidden, dtype, ctx.rank + 1, (1, max_tokens), depth=2)
+            if not ctx.is_last else None
         )
         self.receiver = (
             HopReceiver(ctx, target.receive_keys(), hidden, dtype, ctx.rank - 1, (1, max_tokens)) if not ctx.is_first else None
         )
-        self.broadcaster = StepBroadcaster(ctx, stepmsg.message_size(len(self.seqs), self.k), ctx.world_size - 1)
-        self.step = 0
+        self.slots = self.scheduler.slots_per_micro_batch
+        self.channel = StepChannel(ctx, stepmsg.message_size(self.slots, self.k), micro_batches)
+        self.step = 0  # rounds launched, all micro-batches together
 
     # ------------------------------------------------------------------------------ one forward
     def _forward(self, seq: SeqState, tokens: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
@@ -146,7 +165,7 @@ class StageRunner:
         drafts = self.draft.propose(aux, ids, seq.draft_cache, num_tokens=self.k)
         return [int(t) for t in drafts[0].tolist()]
 
-    # ------------------------------------------------------------------------------ the steps
+    # ------------------------------------------------------------------------------ one sequence
     def _prefill_one(self, seq: SeqState) -> stepmsg.SeqUpdate | None:
         prompt = list(seq.request.prompt_ids)
         out = self._forward(seq, prompt)
@@ -174,41 +193,72 @@ class StageRunner:
             drafts = self._propose(seq, [a[:, : accepted + 1] for a in aux], produced)
         return stepmsg.SeqUpdate(ran=True, done=done, accepted=accepted, tokens=produced, kept=kept, drafts=drafts)
 
-    def _apply(self, updates: list[stepmsg.SeqUpdate]) -> None:
-        for seq, u in zip(self.seqs, updates):
-            if not u.ran:
-                continue
-            if self.step == 0:
-                seq.committed = len(seq.request.prompt_ids)
+    def _start(self, seq: SeqState) -> None:
+        """Fresh KV caches for a sequence about to be prefilled."""
+        seq.cache = self.target.new_cache()
+        if self.ctx.is_last and self.k:
+            capacity = len(seq.request.prompt_ids) + seq.request.max_new_tokens + self.k + 1
+            seq.draft_cache = self.draft.new_cache(1, capacity=capacity)
+
+    def _apply(self, seq: SeqState, u: stepmsg.SeqUpdate) -> None:
+        prefill = seq.committed == 0
+        if prefill:
+            seq.committed = len(seq.request.prompt_ids)
+        else:
+            seq.committed += u.accepted + 1
+            seq.acceptance.append(u.accepted + 1)
+            seq.trace.append(list(seq.drafts))
+        seq.output.extend(u.tokens[: u.kept])
+        seq.pending = u.tokens[-1]
+        seq.drafts = list(u.drafts)
+        if u.done:
+            self._end(seq, "stop" if seq.output and seq.output[-1] in self.eos else "length")
+        elif not prefill:
+            seq.cache.crop(seq.committed)
+
+    def _end(self, seq: SeqState, reason: str) -> None:
+        seq.done, seq.finish_reason = True, reason
+        seq.cache = seq.draft_cache = None  # free the KV memory at once
+
+    # ------------------------------------------------------------------------------ the schedule
+    def _turn(self) -> bool:
+        """One turn of the round-robin: consume, admit, launch, cancel. True if a round was launched."""
+        sched = self.scheduler
+        mb = sched.next_micro_batch()
+        if mb.awaiting:
+            message = self.channel.take(mb.index)
+            updates = stepmsg.decode(message, mb.rounds - 1, mb.index, self.slots, self.k)
+            for request, update in sched.consume(mb, updates):
+                self._apply(self.seqs[request], update)
+        sched.admit(mb)
+        launches = sched.launch(mb)
+        if not launches:
+            return False
+        updates = [stepmsg.SeqUpdate() for _ in range(self.slots)]
+        for launch in launches:
+            seq = self.seqs[launch.request]
+            if seq.committed == 0:
+                self._start(seq)
+                update = self._prefill_one(seq)
             else:
-                seq.committed += u.accepted + 1
-                seq.acceptance.append(u.accepted + 1)
-                seq.trace.append(list(seq.drafts))
-            seq.output.extend(u.tokens[: u.kept])
-            seq.pending = u.tokens[-1]
-            seq.drafts = list(u.drafts)
-            seq.done = u.done
-            if seq.done:
-                seq.cache = seq.draft_cache = None  # free the KV memory of finished sequences
-            elif self.step > 0:
-                seq.cache.crop(seq.committed)
+                update = self._verify_one(seq)
+            if update is not None:
+                update.request, update.generation = launch.request, launch.generation
+                updates[launch.slot] = update
+        if self.ctx.is_last:
+            self.channel.publish(mb.index, stepmsg.encode(mb.rounds - 1, mb.index, updates, self.k))
+        else:
+            self.channel.expect(mb.index)
+        for request in sched.cancel_due(mb, launches):
+            self._end(self.seqs[request], "cancelled")
+        self.step += 1
+        return True
 
     def run_step(self) -> None:
-        updates = [stepmsg.SeqUpdate() for _ in self.seqs]
-        for i, seq in enumerate(self.seqs):
-            if seq.done:
-                continue
-            if self.step == 0:
-                seq.cache = self.target.new_cache()
-                if self.ctx.is_last and self.k:
-                    seq.draft_cache = self.draft.new_cache(1, capacity=len(seq.request.prompt_ids) + seq.request.max_new_tokens + self.k + 1)
-            update = self._prefill_one(seq) if self.step == 0 else self._verify_one(seq)
-            if update is not None:
-                updates[i] = update
-        message = stepmsg.encode(self.step, updates, self.k) if self.ctx.is_last else None
-        received = self.broadcaster.broadcast(message)
-        self._apply(stepmsg.decode(received, self.step, len(self.seqs), self.k))
-        self.step += 1
+        """Turns until one launches a round (or everything is done): empty micro-batches are skipped."""
+        while not self.scheduler.done():
+            if self._turn():
+                return
 
     def warmup(self) -> float:
         """One throwaway prefill + verify forward (and draft proposals) through the whole pipeline.
@@ -230,6 +280,8 @@ class StageRunner:
             out = self._forward(seq, [0] * (self.k + 1))
             if out is not None and self.k:
                 self._propose(seq, [a[:, :1] for a in out[1]], [0])
+            if self.sender is not None:
+                self.sender.flush()
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         return time.perf_counter() - started
@@ -238,11 +290,25 @@ class StageRunner:
         """Decode every sequence to completion; the wall time in seconds."""
         started = time.perf_counter()
         with torch.inference_mode():
-            while not all(s.done for s in self.seqs):
+            while not self.scheduler.done():
                 self.run_step()
+            if self.sender is not None:
+                self.sender.flush()
+            self.channel.close()
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         return time.perf_counter() - started
+
+    def stats(self) -> dict[str, Any]:
+        """What this stage did and how long it waited on the others (seconds)."""
+        return {
+            "messages_sent": self.sender.messages if self.sender else 0,
+            "bytes_sent": self.sender.bytes_sent if self.sender else 0,
+            "rounds": self.step,
+            "hop_recv_wait_s": round(self.receiver.waited_s, 4) if self.receiver else 0.0,
+            "hop_send_wait_s": round(self.sender.waited_s, 4) if self.sender else 0.0,
+            "step_message_wait_s": round(self.channel.waited_s, 4),
+        }
 
 
 def wait_for_all_stages_loaded(ctx: StageContext) -> None:
@@ -349,21 +415,28 @@ def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
     elapsed = runner.run()
 
     stats = {"rank": ctx.rank, "start_layer": stage.start_layer, "end_layer": stage.end_layer, **load.to_json_dict(),
-             "messages_sent": runner.sender.messages if runner.sender else 0,
-             "bytes_sent": runner.sender.bytes_sent if runner.sender else 0}
+             **runner.stats()}
     result: dict[str, Any] = {"stage": stats}
     if not ctx.is_last:
         return result
     outputs = [
         {"output_ids": s.output, "num_steps": len(s.acceptance), "mean_acceptance_length": _mean(s.acceptance),
-         "acceptance_lengths": s.acceptance, **({"draft_trace": s.trace} if job.trace else {})}
+         "acceptance_lengths": s.acceptance, "finish_reason": s.finish_reason,
+         **({"draft_trace": s.trace} if job.trace else {})}
         for s in runner.seqs
     ]
     all_acceptance = [a for s in runner.seqs for a in s.acceptance]
     new_tokens = sum(len(s.output) for s in runner.seqs)
     result["generation"] = {
         "outputs": outputs,
-        "num_steps": runner.step - 1,
+        # Verify steps of the longest-running sequence: with one micro-batch and every sequence admitted
+        # at once, the pipeline's step count after the prefill.
+        "num_steps": max(len(s.acceptance) for s in runner.seqs),
+        "micro_batches": runner.scheduler.num_micro_batches,
+        "slots_per_micro_batch": runner.slots,
+        "max_num_seqs": runner.scheduler.capacity,
+        "rounds": runner.step,
+        "stale_entries_ignored": runner.scheduler.stale,
         "mean_acceptance_length": _mean(all_acceptance),
         "num_new_tokens": new_tokens,
         "elapsed_s": round(elapsed, 4),

@@ -22,9 +22,12 @@ or timeout raises ``PeerLostError`` naming the peer stage.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -114,30 +117,62 @@ class HopLayout:
 
 
 class HopSender:
-    """Sends one stage's ``IntermediateTensors`` to the next stage as one packed message."""
+    """Sends one stage's ``IntermediateTensors`` to the next stage as one packed message.
+
+    ``depth`` is how many sends may be in flight at once, each from its own buffer: with 1 every
+    ``send`` waits for its message to be taken (the stage cannot run ahead of the next one); with 2 a
+    stage packs and sends one forward's output, then computes the next forward while that message
+    travels, and waits only when it reuses the buffer two sends later. ``flush`` waits for all.
+    """
 
     def __init__(
         self, ctx: StageContext, keys: Sequence[str], hidden_size: int, dtype: torch.dtype, dst: int,
-        max_leading_shape: Sequence[int] = (1, 1),
+        max_leading_shape: Sequence[int] = (1, 1), depth: int = 1,
     ) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
         self.ctx, self.dst = ctx, dst
         self.layout = HopLayout(keys, hidden_size)
-        self.buffer = _FlatBuffer(self.layout.numel(max_leading_shape), dtype, ctx.device)
+        self.buffers = [_FlatBuffer(self.layout.numel(max_leading_shape), dtype, ctx.device) for _ in range(depth)]
+        self.pending: list[tuple[dist.Work, str] | None] = [None] * depth
         self.messages = 0
         self.bytes_sent = 0
+        self.waited_s = 0.0
+
+    @property
+    def buffer(self) -> _FlatBuffer:
+        """The buffer of the next send."""
+        return self.buffers[self.messages % len(self.buffers)]
+
+    def _settle(self, index: int) -> None:
+        entry = self.pending[index]
+        if entry is not None:
+            self.pending[index] = None
+            started = time.perf_counter()
+            _wait(self.ctx, entry[0], entry[1])
+            self.waited_s += time.perf_counter() - started
 
     def send(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        index = self.messages % len(self.buffers)
+        self._settle(index)  # the buffer's previous message must be gone before it is overwritten
         leading = tuple(tensors[self.layout.keys[0]].shape[:-1])
-        flat = self.buffer.take(self.layout.numel(leading))
+        flat = self.buffers[index].take(self.layout.numel(leading))
         self.layout.pack_into(flat, tensors, leading)
         what = f"sending {len(self.layout.keys)} tensors {tuple(leading)} to stage {self.dst}"
         try:
             work = dist.isend(flat, self.dst)
         except Exception as exc:  # noqa: BLE001
             raise _lost(self.ctx, what, exc) from exc
-        _wait(self.ctx, work, what)
+        self.pending[index] = (work, what)
         self.messages += 1
         self.bytes_sent += flat.numel() * flat.element_size()
+        if len(self.buffers) == 1:
+            self._settle(index)
+
+    def flush(self) -> None:
+        """Wait until every message sent so far has been taken."""
+        for index in range(len(self.buffers)):
+            self._settle(index)
 
 
 class HopReceiver:
@@ -151,6 +186,7 @@ class HopReceiver:
         self.layout = HopLayout(keys, hidden_size)
         self.buffer = _FlatBuffer(self.layout.numel(max_leading_shape), dtype, ctx.device)
         self.messages = 0
+        self.waited_s = 0.0
 
     def recv(self, leading_shape: Sequence[int]) -> IntermediateTensors:
         """The next message, shaped ``(*leading_shape, H)`` per key (views valid until the next ``recv``)."""
@@ -160,7 +196,9 @@ class HopReceiver:
             work = dist.irecv(flat, self.src)
         except Exception as exc:  # noqa: BLE001
             raise _lost(self.ctx, what, exc) from exc
+        started = time.perf_counter()
         _wait(self.ctx, work, what)
+        self.waited_s += time.perf_counter() - started
         self.messages += 1
         return self.layout.unpack(flat, leading_shape)
 
@@ -193,3 +231,112 @@ class StepBroadcaster:
             _wait(self.ctx, work, what, timeout)
         self.messages += 1
         return self.buffer.cpu() if self.buffer.device.type != "cpu" else self.buffer.clone()
+
+
+class StepChannel:
+    """Fixed-size int64 messages from the last stage to every other stage, one stream per micro-batch,
+    that never stall the pipeline.
+
+    With several micro-batches in flight the last stage's message for micro-batch m is needed by the
+    other stages only when m comes round again. So the last stage ``publish``-es it asynchronously (one
+    ``isend`` per stage, waited for only when m's buffer is reused a round later), every other stage
+    posts the matching receive (``expect``) as soon as it has launched m's round, and ``take``-s the
+    message when m's turn returns — by then it has usually long arrived. ``take`` on the last stage
+    returns what it published, so every stage applies the very same message.
+
+    The messages travel on a process group of their own (created by every stage at construction):
+    a separate communicator, so on NCCL a posted receive waiting for the last stage can never hold up
+    the stage-to-stage hops queued behind it on one communicator's stream. On CUDA the receives and
+    the copies to and from the host run on a side stream, so reading a message waits for that message
+    only, never for the forwards queued on the compute stream. Messages of one micro-batch stay in
+    order (gloo tags them with the micro-batch; NCCL keeps one pair's operations in issue order, and
+    every stage issues them in the same schedule order).
+    """
+
+    def __init__(self, ctx: StageContext, numel: int, num_streams: int) -> None:
+        self.ctx = ctx
+        self.src = ctx.world_size - 1
+        self.numel = numel
+        self.num_streams = num_streams
+        self.group = dist.new_group(backend=ctx.backend, timeout=ctx.timeout) if ctx.world_size > 1 else None
+        device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+        self.buffers = [torch.zeros(numel, dtype=torch.int64, device=device) for _ in range(num_streams)]
+        self.side = torch.cuda.Stream(ctx.device) if device.type == "cuda" else None
+        self.pending: list[list[dist.Work]] = [[] for _ in range(num_streams)]
+        self.own: list[torch.Tensor | None] = [None] * num_streams
+        self.messages = 0
+        self.waited_s = 0.0
+
+    def _stream(self) -> Any:
+        return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
+
+    def _tag(self, stream: int) -> int:
+        return stream if self.ctx.backend == "gloo" else 0
+
+    def _settle(self, stream: int, what: str) -> None:
+        works, self.pending[stream] = self.pending[stream], []
+        if works:
+            started = time.perf_counter()
+            with self._stream():
+                for work in works:
+                    _wait(self.ctx, work, what)
+            self.waited_s += time.perf_counter() - started
+
+    def publish(self, stream: int, values: torch.Tensor) -> None:
+        """Last stage: send ``values`` (CPU int64, ``numel`` of them) to every other stage; returns at once."""
+        if self.ctx.rank != self.src:
+            raise RuntimeError(f"stage {self.ctx.rank} cannot publish: only the last stage ({self.src}) does")
+        if values.numel() != self.numel:
+            raise RuntimeError(f"step message must have {self.numel} int64 values, got {values.numel()}")
+        self.own[stream] = values.reshape(-1).clone()
+        self.messages += 1
+        if self.group is None:
+            return
+        what = f"sending micro-batch {stream}'s step message to the other stages"
+        self._settle(stream, what)  # its previous message (a round ago) must be gone before the buffer is reused
+        with self._stream():
+            buffer = self.buffers[stream]
+            buffer.copy_(self.own[stream])
+            try:
+                self.pending[stream] = [
+                    dist.isend(buffer, dst, group=self.group, tag=self._tag(stream)) for dst in range(self.src)
+                ]
+            except Exception as exc:  # noqa: BLE001
+                raise _lost(self.ctx, what, exc) from exc
+
+    def expect(self, stream: int) -> None:
+        """Other stages: post the receive of ``stream``'s next message (returns at once)."""
+        if self.ctx.rank == self.src:
+            return
+        if self.pending[stream]:
+            raise RuntimeError(f"micro-batch {stream}: a step message is already expected and not yet taken")
+        what = f"receiving micro-batch {stream}'s step message from stage {self.src}"
+        with self._stream():
+            try:
+                self.pending[stream] = [dist.irecv(self.buffers[stream], self.src, group=self.group, tag=self._tag(stream))]
+            except Exception as exc:  # noqa: BLE001
+                raise _lost(self.ctx, what, exc) from exc
+
+    def take(self, stream: int) -> torch.Tensor:
+        """``stream``'s message (a CPU tensor): waits for it on a non-last stage."""
+        if self.ctx.rank == self.src:
+            own = self.own[stream]
+            if own is None:
+                raise RuntimeError(f"micro-batch {stream}: no step message was published")
+            self.own[stream] = None
+            return own
+        if not self.pending[stream]:
+            raise RuntimeError(f"micro-batch {stream}: no step message was expected")
+        what = f"receiving micro-batch {stream}'s step message from stage {self.src}"
+        started = time.perf_counter()
+        self._settle(stream, what)
+        with self.ctx.waiting(what), self._stream():
+            values = self.buffers[stream].cpu() if self.side is not None else self.buffers[stream].clone()
+        self.waited_s += time.perf_counter() - started
+        self.messages += 1
+        return values
+
+    def close(self) -> None:
+        """Wait for every message published so far to be taken (the last stage, before it exits)."""
+        for stream in range(self.num_streams):
+            self._settle(stream, f"sending micro-batch {stream}'s step message to the other stages")
