@@ -59,7 +59,7 @@ def config_for(quick: bool, device: str) -> P1Config:
         return P1Config(20, 4096, 14336, 32, 8, 32000, 2, tokens, 4 if quick else 10, 2, 1.005, "bfloat16")
     # A shared 2-core host: many cheap repeats beat a few long ones for stable medians.
     tokens = (256, 1024) if quick else (512, 2048)
-    return P1Config(12, 128, 344, 4, 2, 512, 3, tokens, 7 if quick else 15, 1, 1.02, "float32")
+    return P1Config(12, 128, 344, 4, 2, 512, 3, tokens, 7 if quick else 25, 1, 1.02, "float32")
 
 
 def _build_model(cfg: P1Config, rank: int, device: torch.device) -> Any:
