@@ -15,7 +15,6 @@ import pytest
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
-from transformers.cache_utils import DummyLayer
 
 from pipespec.adapt import adapt, cache_kwarg_name, spec_for_class
 from pipespec.errors import LayoutError, UnsupportedModelError
@@ -23,7 +22,7 @@ from pipespec.infer import decoder_class_for_model_type, infer_spec
 from pipespec.intermediate import IntermediateTensors
 from pipespec.layout import plan_layout
 from pipespec.spec import AdapterSpec
-from pipespec.stage_cache import StageCache, new_stage_cache
+from pipespec.stage_cache import DummyLayer, StageCache, new_stage_cache
 from pipespec.verify import find_support, verify_supports_aux_hidden_states_over_pp
 
 N = 6
@@ -171,7 +170,8 @@ def test_stage_cache_owns_only_its_layers_and_crops_to_an_absolute_length() -> N
     stage = stages_of(decoder, 3)[1]  # layers [1, 4)
     cache = new_stage_cache(stage)
     assert isinstance(cache, StageCache) and (cache.start_layer, cache.end_layer) == (1, 4)
-    assert [isinstance(layer, DummyLayer) for layer in cache.layers] == [True, False, False, False, True, True]
+    if DummyLayer is not None:  # transformers without DummyLayer: StageCache remaps size queries instead
+        assert [isinstance(layer, DummyLayer) for layer in cache.layers] == [True, False, False, False, True, True]
     kv = torch.zeros(1, 2, 5, 16)
     for idx in (1, 2, 3):
         cache.update(kv, kv, idx)

@@ -21,7 +21,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers.cache_utils import DummyLayer, DynamicCache, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+
+try:  # transformers >= 5.2x: layers that hold nothing, skipped by every size query
+    from transformers.cache_utils import DummyLayer
+except ImportError:  # older 5.x (e.g. 5.17): StageCache remaps size queries itself
+    DummyLayer = None
 
 __all__ = ["StageCache", "new_stage_cache"]
 
@@ -37,9 +42,10 @@ class StageCache(DynamicCache):
         self.start_layer = start_layer
         self.end_layer = end_layer
         self.record_past = record_past
-        for idx in range(n):
-            if not start_layer <= idx < end_layer:
-                self.layers[idx] = DummyLayer()
+        if DummyLayer is not None:
+            for idx in range(n):
+                if not start_layer <= idx < end_layer:
+                    self.layers[idx] = DummyLayer()
         if record_past:
             # Sliding-window layers drop old tokens as they go; rollback beyond the window needs them kept
             # until the next crop.
@@ -47,17 +53,40 @@ class StageCache(DynamicCache):
                 if isinstance(layer, DynamicSlidingWindowLayer):
                     layer.activate_past_recording()
 
+    # --- transformers without DummyLayer: answer size queries from this stage's own layers -------------
+    def _owned(self, layer_idx: int) -> int:
+        """``layer_idx`` if this stage owns it, else its first owned layer of the same kind (sliding or not)."""
+        if DummyLayer is not None or self.start_layer <= layer_idx < self.end_layer:
+            return layer_idx
+        sliding = getattr(self.layers[layer_idx], "is_sliding", False) if layer_idx < len(self.layers) else False
+        for idx in range(self.start_layer, self.end_layer):
+            if getattr(self.layers[idx], "is_sliding", False) == sliding:
+                return idx
+        return self.start_layer
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return super().get_seq_length(self._owned(layer_idx))
+
+    def get_mask_sizes(self, query_length: Any, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        return super().get_mask_sizes(query_length, self._owned(layer_idx), *args, **kwargs)
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return super().get_query_offset(self._owned(layer_idx))  # type: ignore[misc]
+
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` positions of every owned layer (``max_length < 0``: drop that many)."""
-        if max_length < 0:
-            super().crop(max_length)
-            return
         length = self.get_seq_length()
+        if max_length < 0:
+            max_length = max(length + max_length, 0)
         if max_length > length:
             raise ValueError(f"cannot crop the stage cache to {max_length} positions: it holds {length}")
         if max_length == length and not self.record_past:
             return  # nothing to drop; transformers' crop(0) would refuse on a full sliding window
-        super().crop(max_length - length)
+        if DummyLayer is not None:
+            super().crop(max_length - length)
+            return
+        for idx in range(self.start_layer, self.end_layer):  # unowned layers hold nothing to crop
+            self.layers[idx].crop(max_length - length)
 
     def __repr__(self) -> str:
         return f"StageCache(layers [{self.start_layer}, {self.end_layer}) of {len(self.layers)}, seq_length={self.get_seq_length()})"
