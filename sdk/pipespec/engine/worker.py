@@ -132,6 +132,7 @@ class StageRunner:
         self.slots = self.scheduler.slots_per_micro_batch
         self.channel = StepChannel(ctx, stepmsg.message_size(self.slots, self.k), micro_batches)
         self.step = 0  # rounds launched, all micro-batches together
+        self.elapsed = 0.0
 
     # ------------------------------------------------------------------------------ one forward
     def _forward(self, seq: SeqState, tokens: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
@@ -297,14 +298,17 @@ class StageRunner:
             self.channel.close()
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
-        return time.perf_counter() - started
+        self.elapsed = time.perf_counter() - started
+        return self.elapsed
 
     def stats(self) -> dict[str, Any]:
-        """What this stage did and how long it waited on the others (seconds)."""
+        """What this stage did and how long it waited on the others (seconds): ``decode_s`` minus the
+        waits is the time the stage was busy, and the busiest stage bounds the pipeline's speed."""
         return {
             "messages_sent": self.sender.messages if self.sender else 0,
             "bytes_sent": self.sender.bytes_sent if self.sender else 0,
             "rounds": self.step,
+            "decode_s": round(self.elapsed, 4),
             "hop_recv_wait_s": round(self.receiver.waited_s, 4) if self.receiver else 0.0,
             "hop_send_wait_s": round(self.sender.waited_s, 4) if self.sender else 0.0,
             "step_message_wait_s": round(self.channel.waited_s, 4),
