@@ -75,6 +75,20 @@ def test_a_slot_is_reused_only_after_its_in_flight_message_is_drained() -> None:
     assert sched.status == ["cancelled", "running"]
 
 
+def test_cancel_on_demand_frees_a_waiting_request_at_once_and_a_running_one_after_its_round() -> None:
+    sched = Scheduler(3, 1, max_num_seqs=1)
+    mb = sched.next_micro_batch()
+    sched.admit(mb)
+    launches = sched.launch(mb)
+    assert sched.cancel(2) and list(sched.waiting) == [1]  # never started: just leaves the queue
+    assert sched.cancel(0) and not sched.cancel(0)
+    assert sched.admit(mb) == []  # request 0's round is still in flight
+    sched.next_micro_batch()
+    assert sched.consume(mb, _message(sched, launches, done={0})) == [] and sched.stale == 1
+    assert sched.admit(mb) == [1]
+    assert sched.status == ["cancelled", "running", "cancelled"]
+
+
 def test_a_message_that_disagrees_with_the_schedule_fails_loudly() -> None:
     def launched() -> tuple[Scheduler, Any, list[stepmsg.SeqUpdate]]:
         sched = Scheduler(2, 1)
