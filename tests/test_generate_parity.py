@@ -262,3 +262,19 @@ def test_text_prompt_is_tokenized_and_decoded(capsys: pytest.CaptureFixture[str]
     assert f"output ids: {expected}" in report
     assert f"text: {tokenizer.decode(expected)!r}" in report
     assert re.search(r"steps \d+, mean acceptance length [\d.]+, [\d.]+ tokens/s, pp 2 partition \[\d+, \d+\], k 3", report)
+
+
+@pytest.mark.timeout(300)
+def test_overlap_aux_transport_is_lossless_and_equals_relay(ckpts: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """--aux-transport overlap (each aux state sent when captured; ids on every boundary, so the aliased
+    boundary keys too) gives the same tokens and the same checked drafts as relay, for every forward
+    overlapped and for prefills only (the two modes mixed on one pair of stages)."""
+    common = ["--target", str(ckpts["llama"]), "--draft", str(ckpts["llama_draft_bound"]), "--pp", "4",
+              "--partition", "1,2,3,2", "--prompts-file", str(ckpts["prompts"]), "--num-spec-tokens", "3"]
+    relay = generate(capsys, *common)
+    every = generate(capsys, *common, "--aux-transport", "overlap", "--overlap-min-tokens", "1")
+    prefill = generate(capsys, *common, "--aux-transport", "overlap", "--overlap-min-tokens", "5")
+    assert by_step(every) == by_step(relay) == by_step(prefill)
+    sent = [[s.get("overlap_messages_sent", 0) for s in r["stages"]] for r in (relay, every, prefill)]
+    assert sum(sent[0]) == 0 and all(n > 0 for n in sent[1][:-1]) and 0 < sum(sent[2]) < sum(sent[1]), sent
+    check_against_oracles(every, ckpts["llama"], ckpts["llama_draft_bound"], PROMPTS, 3)

@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fewer; 1 = every step waits for the last stage)")
     parser.add_argument("--max-num-seqs", type=positive_int, metavar="S",
                         help="sequences decoded at once; the others wait for a free slot (default: all prompts)")
+    parser.add_argument("--aux-transport", choices=("relay", "overlap"), default="relay",
+                        help="relay: aux states ride in the stage's one packed message (default); overlap: each is "
+                             "sent as soon as captured, while the stage's later layers compute (prefill-sized forwards)")
+    parser.add_argument("--overlap-min-tokens", type=positive_int, default=64, metavar="T",
+                        help="with --aux-transport overlap: use it for forwards of at least T tokens (default 64)")
     parser.add_argument("--num-spec-tokens", type=non_negative_int, default=3, metavar="K",
                         help="draft tokens verified per step (default 3; 0 = plain pipeline decoding)")
     parser.add_argument("--aux-convention", choices=("input", "output"),
@@ -87,6 +92,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
         requests=requests, num_spec_tokens=args.num_spec_tokens, aux_convention=args.aux_convention,
         device=args.device, dtype=args.dtype, timeout_s=args.timeout, verbose=args.verbose, ignore_eos=args.ignore_eos,
         trace=args.trace, load_timeout_s=args.load_timeout, micro_batches=args.micro_batches, max_num_seqs=args.max_num_seqs,
+        aux_transport=args.aux_transport, overlap_min_tokens=args.overlap_min_tokens,
     )
 
 

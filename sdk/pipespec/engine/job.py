@@ -51,6 +51,11 @@ class GenerateJob:
     # running at once (None: every request at once); see pipespec.engine.microbatch.
     micro_batches: int | None = None
     max_num_seqs: int | None = None
+    # How aux states travel between stages: "relay" (one packed message at the end of a stage's forward)
+    # or "overlap" (each state sent when captured) for forwards of at least overlap_min_tokens tokens;
+    # see pipespec.pp.overlap and docs/benchmarks.md (P1) for the trade-off.
+    aux_transport: str = "relay"
+    overlap_min_tokens: int = 64
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

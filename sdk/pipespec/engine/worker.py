@@ -47,6 +47,7 @@ from pipespec.engine.target import TargetStage, build_target_stage, resolve_targ
 from pipespec.errors import UsageError
 from pipespec.pp.launch import StageContext
 from pipespec.pp.loading import dtype_from_name
+from pipespec.pp.overlap import OverlapTransport
 from pipespec.pp.transport import HopReceiver, HopSender, StepBroadcaster, StepChannel
 
 
@@ -129,6 +130,13 @@ class StageRunner:
         self.receiver = (
             HopReceiver(ctx, target.receive_keys(), hidden, dtype, ctx.rank - 1, (1, max_tokens)) if not ctx.is_first else None
         )
+        # Optional overlap transport for large (prefill-sized) forwards; both ends pick it by the token
+        # count of the forward, which every stage knows, so no mode flag travels.
+        self.overlap = (
+            OverlapTransport(ctx, target.plan, hidden, dtype, has_residual=target.has_residual,
+                             max_leading_shape=(1, max_tokens))
+            if job.aux_transport == "overlap" and ctx.world_size > 1 and target.plan.aux_layers else None
+        )
         self.slots = self.scheduler.slots_per_micro_batch
         self.channel = StepChannel(ctx, stepmsg.message_size(self.slots, self.k), micro_batches)
         self.step = 0  # rounds launched, all micro-batches together
@@ -138,17 +146,24 @@ class StageRunner:
     def _forward(self, seq: SeqState, tokens: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         device = self.ctx.device
         positions = torch.arange(seq.committed, seq.committed + len(tokens), device=device).unsqueeze(0)
-        if self.ctx.is_first:
-            ids = torch.tensor([tokens], dtype=torch.long, device=device)
-            out = self.target.forward(seq.cache, positions, input_ids=ids)
-        else:
-            assert self.receiver is not None
-            received = self.receiver.recv((1, len(tokens)))
-            out = self.target.forward(seq.cache, positions, received=received)
-        if self.sender is not None:
-            assert not isinstance(out, tuple)
-            self.sender.send(out)
-            return None
+        overlap = self.overlap if self.overlap is not None and len(tokens) >= self.job.overlap_min_tokens else None
+        if overlap is not None and not self.ctx.is_last:
+            overlap.attach(self.target.decoder)
+        try:
+            if self.ctx.is_first:
+                ids = torch.tensor([tokens], dtype=torch.long, device=device)
+                out = self.target.forward(seq.cache, positions, input_ids=ids)
+            else:
+                assert self.receiver is not None
+                received = overlap.recv((1, len(tokens))) if overlap else self.receiver.recv((1, len(tokens)))
+                out = self.target.forward(seq.cache, positions, received=received)
+            if self.sender is not None:
+                assert not isinstance(out, tuple)
+                (overlap or self.sender).send(out)
+                return None
+        finally:
+            if overlap is not None and not self.ctx.is_last:
+                overlap.detach(self.target.decoder)
         assert isinstance(out, tuple)
         return out
 
@@ -306,6 +321,8 @@ class StageRunner:
         waits is the time the stage was busy, and the busiest stage bounds the pipeline's speed."""
         return {
             "messages_sent": self.sender.messages if self.sender else 0,
+            "aux_transport": self.job.aux_transport,
+            "overlap_messages_sent": self.overlap.messages if self.overlap else 0,
             "bytes_sent": self.sender.bytes_sent if self.sender else 0,
             "rounds": self.step,
             "decode_s": round(self.elapsed, 4),
