@@ -223,7 +223,8 @@ class StageRunner:
         else:
             seq.committed += u.accepted + 1
             seq.acceptance.append(u.accepted + 1)
-            seq.trace.append(list(seq.drafts))
+            if self.job.trace:  # only kept when asked for: it grows with every step
+                seq.trace.append(list(seq.drafts))
         seq.output.extend(u.tokens[: u.kept])
         seq.pending = u.tokens[-1]
         seq.drafts = list(u.drafts)
