@@ -45,18 +45,7 @@ def device_name(device: str) -> str:
 
 def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 2, sync: Callable[[], None] | None = None) -> float:
     """Median wall seconds of ``fn`` over ``repeats`` runs after ``warmup``."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if sync:
-            sync()
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return interleaved_medians({"fn": fn}, repeats, warmup, sync)["fn"]
 
 
 def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 2,

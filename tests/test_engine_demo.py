@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,14 +10,7 @@ import pytest
 from pipespec.cli import main
 from pipespec.cli.demo import shipped_pair
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread_per_stage() -> Iterator[None]:
-    """Tiny models on a shared 2-core machine: one intra-op thread per stage is by far the fastest
-    (see pipespec.engine.worker.stage_threads)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PIPESPEC_THREADS", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread_per_stage")
 
 
 @pytest.mark.timeout(300)

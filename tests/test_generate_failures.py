@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,13 +24,7 @@ from pipespec.engine.testing import write_tiny_draft, write_tiny_target
 BIN = Path(sys.executable).parent
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread_per_stage() -> Iterator[None]:
-    """Tiny models on a shared 2-core machine: one intra-op thread per stage is by far the fastest
-    (see pipespec.engine.worker.stage_threads)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PIPESPEC_THREADS", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread_per_stage")
 
 
 @pytest.fixture(scope="module")

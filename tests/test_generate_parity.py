@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -37,13 +36,7 @@ from pipespec.pp.loading import open_checkpoint
 PROMPTS = [([5, 17, 3, 42, 8], 10), ([7], 12), ([40, 2, 2, 31, 9, 11, 47, 3, 1], 8)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread_per_stage() -> Iterator[None]:
-    """Tiny models on a shared 2-core machine: one intra-op thread per stage is by far the fastest
-    (see pipespec.engine.worker.stage_threads)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PIPESPEC_THREADS", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread_per_stage")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -190,11 +189,7 @@ PROMPTS = [  # (prompt ids, max_new_tokens, cancel_after)
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread_per_stage() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PIPESPEC_THREADS", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread_per_stage")
 
 
 @cache

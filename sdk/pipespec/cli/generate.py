@@ -15,20 +15,10 @@ import math
 import sys
 from typing import Any
 
-from pipespec.cli.args import int_list, positive_int
+from pipespec.cli.args import int_list, non_negative_int, positive_int
 from pipespec.errors import UsageError
 
 HELP = "run greedy EAGLE3 speculative decoding with the target split over P pipeline stages"
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
