@@ -188,14 +188,17 @@ class TargetStage:
     @torch.no_grad()
     def forward(
         self, cache: Any, position_ids: torch.Tensor, input_ids: torch.Tensor | None = None,
-        received: IntermediateTensors | None = None,
+        received: IntermediateTensors | None = None, attention_mask: torch.Tensor | None = None,
     ) -> IntermediateTensors | tuple[torch.Tensor, list[torch.Tensor]]:
-        """Run this stage's layers on one forward's tokens.
+        """Run this stage's layers on one forward's tokens (``attention_mask [B, cached + T]``: which
+        cache slots and new tokens are real, for a batch with holes; see ``pipespec.engine.row_batch``).
 
         Non-last stages return what to send on; the last stage returns ``(logits [B, T, V], aux)`` where
         ``aux`` lists the aux states ``[B, T, H]`` in id order (empty when no aux ids are set).
         """
         kwargs = {self.cache_kwarg: cache, "use_cache": True, "position_ids": position_ids}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
         if self.stage.is_first:
             out = self.decoder(input_ids=input_ids, intermediate_tensors=None, **kwargs)
         else:

@@ -1,0 +1,205 @@
+"""The rows of one batched target forward on one stage: a batched KV cache whose rows have their own
+lengths, with rejected positions kept as masked *holes* instead of being cropped row by row.
+
+The engine runs a micro-batch's sequences as the rows of one forward per round. A row verifies
+``[x_n, d_1..d_k]`` and keeps only ``a + 1`` of those positions; other rows keep other counts, and a
+shared ``[B, heads, L, d]`` cache cannot be cropped per row. So every forward appends ``T`` slots to
+every row (``T`` = the longest row's token count this round; shorter rows are padded) and a boolean
+slot mask records which slots hold real, committed tokens:
+
+* the forward's ``attention_mask`` is ``[B, L + T]``: the mask of the stored slots, then ``j < n_b``
+  for the row's ``n_b`` new tokens (padding is masked). transformers combines it with its causal mask
+  over slot indices, so a query attends to the committed tokens before it and never to a hole;
+* rotary positions are explicit per row (``committed_b + j``), so a row's positions count its tokens,
+  not its slots, and a key keeps the position it was written with wherever its slot ends up;
+* when the round's message says how many of the new tokens each row kept, ``resolve`` marks the rest
+  as holes, crops the columns that are holes in every row (for a single row that is exactly
+  ``StageCache.crop``: the same cache state as per-sequence decoding), and compacts the cache when the
+  holes grow past a quarter of the longest row (a gather that moves each row's slots to the front, in
+  order, so causality by slot index still holds).
+
+Holes only work for full attention: a sliding window counts slots, and linear-attention or
+convolution states have no slots to mask. ``batchable(cache)`` says whether a stage's cache may hold
+several rows; where it may not, the engine runs every sequence as its own one-row batch (no padding,
+no holes, and the cache is cropped like per-sequence decoding).
+
+The slot mask and the row lengths live on the host (the schedule knows them), so building the mask,
+deciding to crop or compact costs no device synchronisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+from transformers.cache_utils import DynamicLayer
+
+__all__ = ["RowBatch", "batchable"]
+
+
+def batchable(cache: Any) -> bool:
+    """Whether ``cache`` (a fresh ``StageCache``) may hold several rows with holes: every layer this
+    stage owns is a plain full-attention ``DynamicLayer``."""
+    owned = [cache.layers[i] for i in range(cache.start_layer, cache.end_layer)]
+    return bool(owned) and all(type(layer) is DynamicLayer for layer in owned)
+
+
+class RowBatch:
+    """One batched KV cache on one stage and the requests that are its rows (see the module doc).
+
+    ``rows`` are request ids in row order. ``draft_cache`` is the draft's cache with the same rows, on
+    the last stage (``None`` elsewhere or without a draft).
+    """
+
+    def __init__(self, cache: Any, rows: Sequence[int], device: torch.device) -> None:
+        self.cache = cache
+        self.rows = list(rows)
+        self.device = device
+        self.valid = torch.zeros(len(self.rows), 0, dtype=torch.bool)  # host-side slot mask [B, L]
+        self.draft_cache: Any = None
+        self._pending: tuple[int, list[int]] | None = None  # (first new slot, committed per row) of the open forward
+        self.compactions = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def open(self) -> bool:
+        """A forward was run whose kept positions are not known yet (its round's message is due)."""
+        return self._pending is not None
+
+    @property
+    def slots(self) -> int:
+        return int(self.valid.shape[1])
+
+    def _owned_layers(self) -> list[Any]:
+        return [self.cache.layers[i] for i in range(self.cache.start_layer, self.cache.end_layer)]
+
+    # ------------------------------------------------------------------------------ one forward
+    def inputs(
+        self, tokens: Sequence[Sequence[int]], committed: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """Inputs of this round's forward: ``(input_ids [B, T], position_ids [B, T], attention_mask or
+        None, T)`` for each row's new ``tokens`` after its ``committed`` ones.
+
+        ``attention_mask`` is ``None`` when there is nothing to mask (no hole, no padding), which keeps a
+        one-row batch on exactly the per-sequence code path.
+        """
+        if len(tokens) != self.size or len(committed) != self.size:
+            raise ValueError(f"{len(tokens)} token rows / {len(committed)} lengths for a batch of {self.size} rows")
+        if self._pending is not None:
+            raise RuntimeError("the previous forward of this batch was not resolved yet")
+        steps = max(len(t) for t in tokens)
+        if min(len(t) for t in tokens) < 1:
+            raise ValueError("every row needs at least one new token")
+        ids = torch.zeros(self.size, steps, dtype=torch.long)
+        new_valid = torch.zeros(self.size, steps, dtype=torch.bool)
+        for b, row in enumerate(tokens):
+            ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+            new_valid[b, : len(row)] = True
+        positions = torch.tensor(committed, dtype=torch.long)[:, None] + torch.arange(steps)
+        holes = bool((~self.valid).any()) or not bool(new_valid.all())
+        mask = torch.cat((self.valid, new_valid), dim=1).to(torch.long) if holes else None
+        self._pending = (self.slots, list(committed))
+        self.valid = torch.cat((self.valid, torch.zeros(self.size, steps, dtype=torch.bool)), dim=1)
+        to = self.device
+        return (ids.to(to, non_blocking=True), positions.to(to, non_blocking=True),
+                mask.to(to, non_blocking=True) if mask is not None else None, steps)
+
+    def resolve(self, committed: Sequence[int]) -> None:
+        """Close the open forward: row ``b`` now has ``committed[b]`` tokens (it kept ``committed[b]``
+        minus its count before the forward of the new slots; the others become holes)."""
+        if self._pending is None:
+            raise RuntimeError("no forward of this batch is open")
+        start, before = self._pending
+        self._pending = None
+        for b, (old, new) in enumerate(zip(before, committed, strict=True)):
+            kept = new - old
+            if not 0 <= kept <= self.slots - start:
+                raise RuntimeError(f"row {b} (request {self.rows[b]}) kept {kept} of {self.slots - start} new positions")
+            self.valid[b, start : start + kept] = True
+        self._trim()
+
+    # ------------------------------------------------------------------------------ housekeeping
+    def _trim(self) -> None:
+        """Crop the trailing all-hole columns; compact when holes exceed a quarter of the longest row (and 8):
+        a compaction costs one copy of the cache, which every forward of a DynamicCache already pays."""
+        used = self.valid.any(dim=0).nonzero()
+        length = int(used.max()) + 1 if used.numel() else 0
+        if length < self.slots:
+            self.cache.crop(length)
+            self.valid = self.valid[:, :length]
+        longest = int(self.valid.sum(dim=1).max()) if self.size else 0
+        if self.slots > longest + max(8, longest // 4):
+            self._compact(longest)
+
+    def _compact(self, longest: int) -> None:
+        """Move each row's committed slots to the front (in order); shorter rows end in holes."""
+        index = torch.zeros(self.size, longest, dtype=torch.long)
+        valid = torch.zeros(self.size, longest, dtype=torch.bool)
+        for b in range(self.size):
+            kept = self.valid[b].nonzero().flatten()
+            index[b, : kept.numel()] = kept
+            valid[b, : kept.numel()] = True
+        gather = index.to(self.device, non_blocking=True)
+        for layer in self._owned_layers():
+            layer.keys = _gather_slots(layer.keys, gather)
+            layer.values = _gather_slots(layer.values, gather)
+        self.valid = valid
+        self.compactions += 1
+
+    def drop(self, requests: set[int]) -> None:
+        """Remove the rows of ``requests`` (finished or cancelled), from the draft cache too."""
+        keep = [b for b, r in enumerate(self.rows) if r not in requests]
+        if len(keep) == self.size:
+            return
+        index = torch.tensor(keep, dtype=torch.long)
+        if keep:
+            on_device = index.to(self.device, non_blocking=True)
+            for layer in self._owned_layers():
+                if layer.keys is not None and layer.keys.numel():
+                    layer.keys = layer.keys.index_select(0, on_device)
+                    layer.values = layer.values.index_select(0, on_device)
+            if self.draft_cache is not None:
+                self.draft_cache = self.draft_cache.select(keep)
+        self.rows = [self.rows[b] for b in keep]
+        self.valid = self.valid[index]
+        if keep:
+            self._trim()
+
+    @classmethod
+    def merge(cls, batches: Sequence[RowBatch]) -> RowBatch:
+        """One batch holding the rows of ``batches`` in order (none may have an open forward); shorter
+        caches are padded with holes at the end. The first batch's cache object is reused."""
+        if not batches:
+            raise ValueError("nothing to merge")
+        if any(b._pending is not None for b in batches):
+            raise RuntimeError("cannot merge a batch whose forward is still open")
+        if len(batches) == 1:
+            return batches[0]
+        first = batches[0]
+        length = max(b.slots for b in batches)
+        layers = [b._owned_layers() for b in batches]
+        for i, layer in enumerate(layers[0]):
+            parts = [ls[i] for ls in layers]
+            layer.keys = torch.cat([_pad_slots(p.keys, length) for p in parts], dim=0)
+            layer.values = torch.cat([_pad_slots(p.values, length) for p in parts], dim=0)
+        merged = cls(first.cache, [r for b in batches for r in b.rows], first.device)
+        merged.valid = torch.cat([F.pad(b.valid, (0, length - b.slots)) for b in batches], dim=0)
+        if first.draft_cache is not None:
+            merged.draft_cache = type(first.draft_cache).concat([b.draft_cache for b in batches])
+        return merged
+
+
+def _pad_slots(t: torch.Tensor, length: int) -> torch.Tensor:
+    """Pad ``[B, heads, L, d]`` to ``length`` slots (zeros: masked holes)."""
+    return F.pad(t, (0, 0, 0, length - t.shape[2])) if t.shape[2] < length else t
+
+
+def _gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[b, :, index[b], :]`` for ``[B, heads, L, d]`` and ``index [B, L']``."""
+    bsz, heads, _, dim = t.shape
+    return t.gather(2, index[:, None, :, None].expand(bsz, heads, index.shape[1], dim))
