@@ -1,0 +1,87 @@
+"""``SpecPolicy``: the last stage's speculate-or-not choice, driven by measured tokens per second.
+
+A simulated pipeline (a clock advanced by a per-round cost model, M rounds in flight so a decision
+takes effect M rounds later) checks that the policy settles on whichever mode is faster, keeps
+probing, and that ``always`` never stops speculating.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipespec.engine.spec_policy import SpecPolicy
+
+
+def simulate(policy: SpecPolicy, rounds: int, spec_cost: float, spec_tokens: int, plain_cost: float,
+             in_flight: int = 2, tokens_per_row: int = 1) -> list[bool]:
+    """Run ``rounds`` rounds; returns the mode each round ran in."""
+    now = 0.0
+    queue: deque[bool] = deque([True] * in_flight)  # modes already decided for rounds in flight
+    modes = []
+    for _ in range(rounds):
+        mode = queue.popleft()
+        now += spec_cost if mode else plain_cost
+        policy.record(mode, spec_tokens if mode else tokens_per_row, now)
+        queue.append(policy.speculate())
+        modes.append(mode)
+    return modes
+
+
+def test_falls_back_to_plain_when_drafting_loses_and_keeps_probing() -> None:
+    policy = SpecPolicy("adaptive", window=4, exploit=3)
+    # Drafting commits 2 tokens per round at 3x the cost: 0.67 tokens per unit vs plain's 1.0.
+    modes = simulate(policy, 200, spec_cost=3.0, spec_tokens=2, plain_cost=1.0)
+    tail = modes[50:]
+    assert tail.count(False) > 0.6 * len(tail)
+    assert any(tail), "the policy never probed speculation again"
+    assert policy.rates()["plain"] > policy.rates()["speculate"]
+
+
+def test_keeps_speculating_when_drafting_wins() -> None:
+    policy = SpecPolicy("adaptive", window=4, exploit=3)
+    modes = simulate(policy, 200, spec_cost=1.2, spec_tokens=3, plain_cost=1.0)
+    tail = modes[50:]
+    assert tail.count(True) > 0.75 * len(tail)
+    assert not all(tail), "the policy never measured plain decoding again"
+
+
+def test_always_speculates_every_round() -> None:
+    policy = SpecPolicy("always")
+    modes = simulate(policy, 100, spec_cost=10.0, spec_tokens=1, plain_cost=1.0)
+    assert all(modes) and policy.switches == 0
+
+
+def test_prefill_rounds_are_not_measured() -> None:
+    policy = SpecPolicy("adaptive", window=2, exploit=1)
+    for t in range(20):
+        policy.record(True, 5, float(t), prefill=True)
+    assert policy.speculate() and policy.rates() == {"speculate": 0.0, "plain": 0.0}
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown speculation policy"):
+        SpecPolicy("sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="window"):
+        SpecPolicy("adaptive", window=0)
+
+
+@given(
+    spec_cost=st.floats(0.5, 5.0), spec_tokens=st.integers(1, 6), plain_cost=st.floats(0.5, 5.0),
+    in_flight=st.integers(1, 4),
+)
+def test_ends_up_no_slower_than_the_worse_mode_and_close_to_the_better(
+    spec_cost: float, spec_tokens: int, plain_cost: float, in_flight: int
+) -> None:
+    policy = SpecPolicy("adaptive", window=4, exploit=4)
+    modes = simulate(policy, 400, spec_cost, spec_tokens, plain_cost, in_flight=in_flight)
+    tail = modes[100:]
+    time = sum(spec_cost if m else plain_cost for m in tail)
+    rate = sum(spec_tokens if m else 1 for m in tail) / time
+    best, worst = max(spec_tokens / spec_cost, 1 / plain_cost), min(spec_tokens / spec_cost, 1 / plain_cost)
+    assert rate >= worst * 0.999
+    # Probing costs at most the two measuring windows per cycle; the margin favours speculating.
+    assert rate >= best * 0.75
