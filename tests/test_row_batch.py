@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipespec.engine.row_batch import RowBatch, batchable
 from pipespec.engine.target import build_target_stage
@@ -50,7 +50,7 @@ def test_batched_rounds_with_holes_equal_from_scratch_forwards(llama: Path, pp: 
     model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
     stages = [build_target_stage(str(llama), rank, pp) for rank in range(pp)]
-    assert all(batchable(s.new_cache()) for s in stages)
+    assert batchable(stages[0].resolved.config)
     history: dict[int, list[int]] = {}
 
     def prefill(rows: list[int]) -> list[RowBatch]:
@@ -105,10 +105,9 @@ def test_one_row_batch_is_the_per_sequence_path(llama: Path) -> None:
     assert batch.slots == 5 and batch.cache.get_seq_length() == 5
 
 
-def test_sliding_window_caches_are_not_batchable(tmp_path: Path) -> None:
+def test_sliding_window_models_are_not_batchable(tmp_path: Path) -> None:
     target = write_tiny_target(tmp_path / "mistral", "mistral", num_layers=2, seed=3, sliding_window=4)
-    stage = build_target_stage(str(target), 0, 1)
-    assert not batchable(stage.new_cache())
+    assert not batchable(AutoConfig.from_pretrained(target))
 
 
 def test_resolve_refuses_more_kept_positions_than_were_run(llama: Path) -> None:
@@ -118,3 +117,14 @@ def test_resolve_refuses_more_kept_positions_than_were_run(llama: Path) -> None:
     stage.forward(batch.cache, positions, input_ids=ids, attention_mask=mask)
     with pytest.raises(RuntimeError, match="kept 3 of 2"):
         batch.resolve([2, 3])
+
+
+@pytest.mark.parametrize(("model_type", "overrides", "expected"), [
+    ("llama", {}, True),
+    ("qwen2", {}, True),
+    ("gemma2", {"sliding_window": 8}, False),  # alternating sliding/full layers: decided for the whole model
+    ("qwen3_next", {}, False),  # linear-attention layers
+])
+def test_batchable_is_decided_for_the_whole_model(model_type: str, overrides: dict[str, Any], expected: bool) -> None:
+    config = AutoConfig.for_model(model_type, num_hidden_layers=4, **overrides)
+    assert batchable(config) is expected

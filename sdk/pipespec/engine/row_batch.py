@@ -19,9 +19,9 @@ slot mask records which slots hold real, committed tokens:
   order, so causality by slot index still holds).
 
 Holes only work for full attention: a sliding window counts slots, and linear-attention or
-convolution states have no slots to mask. ``batchable(cache)`` says whether a stage's cache may hold
-several rows; where it may not, the engine runs every sequence as its own one-row batch (no padding,
-no holes, and the cache is cropped like per-sequence decoding).
+convolution states have no slots to mask. ``batchable(config)`` says whether a model's caches may hold
+several rows; where they may not, the engine runs every sequence as its own one-row batch (no
+padding, no holes, and the cache is cropped like per-sequence decoding).
 
 The slot mask and the row lengths live on the host (the schedule knows them), so building the mask,
 deciding to crop or compact costs no device synchronisation.
@@ -39,11 +39,19 @@ from transformers.cache_utils import DynamicLayer
 __all__ = ["RowBatch", "batchable"]
 
 
-def batchable(cache: Any) -> bool:
-    """Whether ``cache`` (a fresh ``StageCache``) may hold several rows with holes: every layer this
-    stage owns is a plain full-attention ``DynamicLayer``."""
-    owned = [cache.layers[i] for i in range(cache.start_layer, cache.end_layer)]
-    return bool(owned) and all(type(layer) is DynamicLayer for layer in owned)
+def batchable(config: Any) -> bool:
+    """Whether the model of ``config`` may run several rows with holes: every layer of its cache is a
+    plain full-attention ``DynamicLayer``.
+
+    Decided for the whole model, not one stage, so that every stage runs the same forwards: a stage
+    with only full-attention layers of a hybrid model must still run one forward per sequence.
+    """
+    from transformers.cache_utils import DynamicCache
+
+    get_text_config = getattr(config, "get_text_config", None)
+    text = get_text_config(decoder=True) if callable(get_text_config) else config
+    layers = DynamicCache(config=text).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
 class RowBatch:
