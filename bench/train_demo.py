@@ -5,6 +5,8 @@ machine with Python has it), seeded::
 
     python bench/train_demo.py --out /tmp/demo --quick            # ~1-2 min on 2 CPU cores: smoke size
     python bench/train_demo.py --out /tmp/demo --device cuda      # the shipped size (a few min on one GPU)
+    python bench/train_demo.py --out /tmp/pair --device cuda --preset medium --max-train-s 200
+                                                                  # a ~51M target for GPU speedup runs (~5 min on one H200)
 
 Steps, each timed in ``metrics.json``:
 
@@ -12,7 +14,8 @@ Steps, each timed in ``metrics.json``:
    train and held-out files by a hash of the relative path, so the split does not depend on file order;
 2. tokenizer: byte-level BPE trained with ``tokenizers``, saved as a ``PreTrainedTokenizerFast``
    (``AutoTokenizer.from_pretrained(target_dir)`` loads it);
-3. target: ``LlamaForCausalLM`` (≤ 4M parameters, tied embedding), next-token cross-entropy;
+3. target: ``LlamaForCausalLM`` (tied embedding; ≤ 4M parameters in the quick and full presets, 51M in
+   medium), next-token cross-entropy;
 4. draft: EAGLE3 (``pipespec.engine.draft``) on the frozen target's aux states at the default ids
    ``(2, N//2, N-3)``, trained to match the target's next-next-token distribution over a pruned draft
    vocabulary (the most frequent tokens, mapped back by ``d2t``), with ``--ttt-steps`` unrolled steps of
@@ -27,6 +30,34 @@ Steps, each timed in ``metrics.json``:
 
 The corpus is the stdlib of the Python that runs the script, so figures differ slightly between Python
 versions; ``metrics.json`` records the version, torch version, device, preset, and the command.
+
+Presets (``--preset``; ``--quick`` is ``--preset quick``): ``quick`` is a CPU smoke test, ``full`` the
+shipped demo (3.3M-parameter target), ``medium`` a target big enough that a GPU decode step is more than
+kernel launches, for the speedup benchmark (``pipespec bench p3 --pair DIR``), meant for one H200 in bf16
+autocast. Medium's sizes and the estimate behind its step counts:
+
+- target: vocab 8192 (BPE), H = 640, 10 layers, 10 heads / 5 KV heads (head dim 64), I = 1728, tied
+  embedding: 50.7M parameters, all of them in matmuls (the tied embedding is the lm_head). Training
+  costs 6 × 50.7M ≈ 304 MFLOP per token plus ≈ 23 MFLOP of causal attention at 512 tokens (10 layers,
+  forward + backward) ≈ 327 MFLOP per token; a step is 64 × 512 tokens ≈ 10.7 TFLOP. At an effective
+  100–200 TFLOP/s (eager bf16 autocast, small matrices) that is 54–107 ms per step, ~71 ms at 150:
+  2200 steps ≈ 2.6 min (2–4 min over that range).
+- draft: H = 640, I = 1728, draft vocab 4096: 9.2M parameters in matmuls. A step runs the frozen target
+  forward (≈ 108 MFLOP per token) and 3 unrolled TTT steps of the draft (≈ 55 MFLOP per token each for
+  forward + backward, plus a dense 511 × 511 attention), ≈ 290 MFLOP per token or 9.5 TFLOP per step,
+  with more memory-bound work (fp32 loss over 8192-wide target logits per TTT step): ~90 ms per step
+  assumed, 1200 steps ≈ 1.8 min.
+- corpus: the whole stdlib (≈ 31M characters of Python 3.11's, ≈ 8.5M tokens at vocab 8192); BPE
+  training took 4.0 s and encoding 7.3 s on 2 CPU cores (corpus read 0.6 s), so that phase is well
+  under a minute anywhere. The target sees ≈ 72M tokens (≈ 8.5 passes over the corpus).
+- evaluation: 10 held-out prompts of 64 tokens, 96 new tokens, k = 3 and 5 (the one-process reference
+  decoder recomputes the target over the whole sequence per step: ~0.5k forwards per prompt, seconds
+  on a GPU).
+
+``--max-train-s S`` stops target training and (separately) draft training once S seconds of wall time
+have passed — a safety cap for a fixed device budget; ``metrics.json`` then records the steps actually
+run and ``time_capped: true``. The learning-rate schedule stays the one of the planned steps, so a
+capped run simply ends before its cosine decay is complete.
 """
 
 from __future__ import annotations
@@ -48,6 +79,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from pipespec.cli.args import positive_int
 from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig
 from pipespec.engine.draft_checkpoint import TargetInfo, load_draft_checkpoint, save_draft_checkpoint
 from pipespec.engine.testing import reference_speculative_generate, target_aux_states
@@ -93,6 +125,12 @@ PRESETS = {
         intermediate_size=512, seq_len=256, batch_size=64, target_steps=6000, target_lr=2e-3,
         draft_vocab_size=512, draft_intermediate_size=512, draft_steps=5000, draft_lr=1.5e-3, ttt_steps=3,
         eval_prompts=24, eval_prompt_len=64, eval_new_tokens=96,
+    ),
+    "medium": Preset(
+        max_corpus_chars=40_000_000, vocab_size=8192, hidden_size=640, num_layers=10, num_heads=10, num_kv_heads=5,
+        intermediate_size=1728, seq_len=512, batch_size=64, target_steps=2200, target_lr=1.2e-3,
+        draft_vocab_size=4096, draft_intermediate_size=1728, draft_steps=1200, draft_lr=1e-3, ttt_steps=3,
+        eval_prompts=10, eval_prompt_len=64, eval_new_tokens=96,
     ),
 }
 
@@ -199,13 +237,34 @@ def make_target(p: Preset, vocab: int, eos_id: int) -> Any:
     return LlamaForCausalLM(config)
 
 
-def train_target(model: Any, stream: torch.Tensor, p: Preset, device: str, seed: int, log: Any) -> dict[str, Any]:
+def _optimizer(params: Any, lr: float, weight_decay: float, device: str) -> torch.optim.AdamW:
+    # The fused kernel on CUDA: one launch per step instead of several per parameter tensor.
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=device == "cuda")
+
+
+def time_capped(t0: float, max_s: float | None) -> bool:
+    """Whether a training loop started at ``t0`` has used up its wall-time cap (never without a cap)."""
+    return max_s is not None and time.perf_counter() - t0 > max_s
+
+
+def _steps_record(planned: int, run: int, capped: bool, max_s: float | None) -> dict[str, Any]:
+    return {"planned_steps": planned, "steps_run": run, "time_capped": capped, "max_train_s": max_s}
+
+
+def train_target(model: Any, stream: torch.Tensor, p: Preset, device: str, seed: int, log: Any,
+                 max_s: float | None = None) -> dict[str, Any]:
+    """Next-token training for ``p.target_steps`` steps, or until ``max_s`` seconds have passed."""
     gen = torch.Generator().manual_seed(seed + 1)
     model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=p.target_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = _optimizer(model.parameters(), p.target_lr, 0.1, device)
     t0 = time.perf_counter()
     losses: list[float] = []
+    capped = False
     for step in range(p.target_steps):
+        if step and time_capped(t0, max_s):
+            capped = True
+            log(f"target: stopping after {step} of {p.target_steps} steps: --max-train-s {max_s:g} reached")
+            break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, p.target_steps, p.target_lr)
         rows = batches(stream, p.batch_size, p.seq_len, gen, device)
@@ -221,7 +280,8 @@ def train_target(model: Any, stream: torch.Tensor, p: Preset, device: str, seed:
             log(f"target step {step:5d}/{p.target_steps}  loss {sum(losses[-50:]) / len(losses[-50:]):.3f}  "
                 f"{time.perf_counter() - t0:6.1f}s")
     model.eval()
-    return {"final_loss": sum(losses[-50:]) / len(losses[-50:]), "seconds": time.perf_counter() - t0}
+    return {"final_loss": sum(losses[-50:]) / len(losses[-50:]), "seconds": time.perf_counter() - t0,
+            **_steps_record(p.target_steps, len(losses), capped, max_s)}
 
 
 def draft_vocabulary(stream: torch.Tensor, vocab: int, size: int) -> torch.Tensor:
@@ -289,19 +349,25 @@ def ttt_logits(draft: Eagle3Draft, feats: torch.Tensor, ids: torch.Tensor, steps
 
 def train_draft(
     draft: Eagle3Draft, target: Any, aux_ids: Sequence[int], stream: torch.Tensor, p: Preset, device: str, seed: int,
-    log: Any,
+    log: Any, max_s: float | None = None,
 ) -> dict[str, Any]:
+    """EAGLE3 training on the frozen target for ``p.draft_steps`` steps, or until ``max_s`` seconds have passed."""
     gen = torch.Generator().manual_seed(seed + 2)
     draft.to(device).train()
     draft.embed_tokens = target.get_input_embeddings()  # shared and frozen, as at inference
     params = [q for name, q in draft.named_parameters() if not name.startswith("embed_tokens.")]
     for param in target.parameters():
         param.requires_grad_(False)
-    opt = torch.optim.AdamW(params, lr=p.draft_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = _optimizer(params, p.draft_lr, 0.0, device)
     draft_ids = torch.arange(draft.d2t.numel(), device=draft.d2t.device) + draft.d2t
     t0 = time.perf_counter()
     history: list[tuple[float, list[float]]] = []
+    capped = False
     for step in range(p.draft_steps):
+        if step and time_capped(t0, max_s):
+            capped = True
+            log(f"draft: stopping after {step} of {p.draft_steps} steps: --max-train-s {max_s:g} reached")
+            break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, p.draft_steps, p.draft_lr)
         rows = batches(stream, p.batch_size, p.seq_len, gen, device)[:, :-1]
@@ -341,6 +407,7 @@ def train_draft(
         "final_loss": sum(h[0] for h in recent) / len(recent),
         "top1_agreement_per_step": [sum(h[1][i] for h in recent) / len(recent) for i in range(p.ttt_steps)],
         "seconds": time.perf_counter() - t0,
+        **_steps_record(p.draft_steps, len(history), capped, max_s),
     }
 
 
@@ -371,10 +438,24 @@ def dir_bytes(path: Path) -> int:
 
 
 # ------------------------------------------------------------------------------------------ main
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive, finite number of seconds")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="output directory (target/, draft/, metrics.json)")
-    parser.add_argument("--quick", action="store_true", help="smoke-test size (1-2 min on 2 CPU cores)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--preset", choices=tuple(PRESETS),
+                      help="sizes and steps: quick (CPU smoke test), full (the shipped demo; default), medium "
+                           "(a 51M target for GPU speedup runs, one H200)")
+    size.add_argument("--quick", action="store_true", help="the same as --preset quick (1-2 min on 2 CPU cores)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch (default 2)")
@@ -383,6 +464,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ttt-steps", type=int, help="override the preset's unrolled test-time-training steps")
     parser.add_argument("--eval-prompts", type=int, help="override the preset's number of held-out prompts")
     parser.add_argument("--max-corpus-chars", type=int, help="override the preset's corpus size cap")
+    parser.add_argument("--batch-size", type=positive_int, help="override the preset's sequences per training step")
+    parser.add_argument("--max-train-s", type=_positive_seconds, metavar="SECONDS",
+                        help="stop target training, and separately draft training, after SECONDS of wall time "
+                             "(the LR schedule stays the planned steps'; metrics.json records the steps run)")
     parser.add_argument("--eval-only", type=Path, metavar="DIR",
                         help="train nothing: measure DIR/target + DIR/draft (e.g. sdk/pipespec/demo) into OUT/eval.json")
     parser.add_argument("--json", action="store_true", help="print metrics.json to stdout at the end")
@@ -391,11 +476,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    preset_name = "quick" if args.quick else "full"
+    preset_name = args.preset or ("quick" if args.quick else "full")
     p = PRESETS[preset_name]
     overrides = {k: v for k, v in (("target_steps", args.target_steps), ("draft_steps", args.draft_steps),
                                    ("ttt_steps", args.ttt_steps), ("eval_prompts", args.eval_prompts),
-                                   ("max_corpus_chars", args.max_corpus_chars)) if v is not None}
+                                   ("max_corpus_chars", args.max_corpus_chars), ("batch_size", args.batch_size))
+                 if v is not None}
     p = replace(p, **overrides)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -427,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = make_target(p, len(tokenizer), eos_id)
     target_params = sum(q.numel() for q in target.parameters())
     log(f"target: Llama, {target_params:,} parameters, N={p.num_layers}, H={p.hidden_size}")
-    target_stats = train_target(target, stream, p, device, args.seed, log)
+    target_stats = train_target(target, stream, p, device, args.seed, log, args.max_train_s)
     phases["target_training_s"] = target_stats["seconds"]
 
     target_dir = out / "target"
@@ -443,7 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     draft_params = sum(q.numel() for name, q in draft.named_parameters() if not name.startswith("embed_tokens."))
     log(f"draft: EAGLE3, {draft_params:,} parameters (+ the target's embedding, shared), aux ids {list(aux_ids)}, "
         f"draft vocab {draft_ids.numel()}, {p.ttt_steps} TTT steps")
-    draft_stats = train_draft(draft, target, aux_ids, stream, p, device, args.seed, log)
+    draft_stats = train_draft(draft, target, aux_ids, stream, p, device, args.seed, log, args.max_train_s)
     phases["draft_training_s"] = draft_stats["seconds"]
 
     draft_dir = out / "draft"
