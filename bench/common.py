@@ -1,8 +1,9 @@
 """Shared pieces of the benchmark scripts: result rows, medians, tables, JSON, plots.
 
 Every benchmark module defines ``NAME``, ``DESCRIPTION``, ``CPU_FEASIBLE`` and
-``run(quick: bool, device: str, command: str) -> list[Result]``. Ratios are always measured side by side
-in one run (interleaved repeats, medians), never as timed unit tests.
+``run(quick: bool, device: str, command: str) -> list[Result]``; the ones that can run on a trained pair
+(``pipespec bench p3|pipeline --pair DIR``) also take ``pair: Path | None``. Ratios are always measured side
+by side in one run (interleaved repeats, medians), never as timed unit tests.
 """
 
 from __future__ import annotations
@@ -108,3 +109,54 @@ def save_plot(path: str | Path, title: str, xlabel: str, ylabel: str,
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+# ------------------------------------------------------------------------------- trained pairs
+def pair_dirs(pair: Path) -> tuple[Path, Path]:
+    """``(DIR/target, DIR/draft)`` of a pair as ``bench/train_demo.py`` writes it (the CLI checks they exist)."""
+    return pair / "target", pair / "draft"
+
+
+def describe_pair(pair: Path) -> str:
+    """What a pair is, for a result's detail: its path, the target's shape, and how it was trained when
+    ``DIR/metrics.json`` (train_demo's record) is there."""
+    target, _ = pair_dirs(pair)
+    config = json.loads((target / "config.json").read_text())
+    text = (f"pair {pair}: {config.get('model_type', '?')} target, {config.get('num_hidden_layers')} layers, "
+            f"hidden {config.get('hidden_size')}, vocab {config.get('vocab_size')}")
+    metrics_path = pair / "metrics.json"
+    if not metrics_path.is_file():
+        return text
+    try:
+        metrics = json.loads(metrics_path.read_text())
+        tgt, dft = metrics["target"], metrics["draft"]
+        k3 = metrics["evaluation"]["k"]["3"]["mean_acceptance_length"]
+        capped = " (time-capped)" if tgt.get("time_capped") or dft.get("time_capped") else ""
+        steps = (f", {tgt['steps_run']}/{tgt['planned_steps']} target and {dft['steps_run']}/{dft['planned_steps']} "
+                 f"draft steps{capped}" if "steps_run" in tgt and "steps_run" in dft else "")
+        return (f"{text}; train_demo preset {metrics.get('preset')}, {tgt['parameters'] / 1e6:.1f}M target "
+                f"parameters{steps}, offline acceptance length {k3:.2f} at k=3")
+    except (KeyError, TypeError, ValueError):
+        return f"{text}; {metrics_path} unreadable as train_demo metrics"
+
+
+def heldout_prompts(target: Path, count: int, length: int) -> list[list[int]] | None:
+    """``count`` prompts of ``length`` tokens from held-out stdlib files (train_demo's split), encoded with
+    the tokenizer in ``target``; None when ``target`` has no tokenizer or the split yields too few."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    except Exception:  # noqa: BLE001 - no (loadable) tokenizer in the directory
+        return None
+    from bench.train_demo import eval_prompts, load_corpus
+
+    _, held, _ = load_corpus(max_chars=0)
+    ids = eval_prompts(tokenizer, held, count, length, seed=0)
+    return ids if len(ids) == count else None
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line (raw per-run records that survive a benchmark killed half-way)."""
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")

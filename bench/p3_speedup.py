@@ -4,8 +4,10 @@ Measured end to end through the real CLI, ``pipespec generate --pp 2`` (stage pr
 NCCL on two GPUs): a subprocess in a full CPU run; with ``--quick`` and on CUDA the CLI's entry point
 called in this process (a fresh interpreter per run does not fit those time budgets). The pair is the
 trained demo shipped in ``pipespec.demo`` (a constructed agreeing pair from ``pipespec.engine.testing``
-when the demo is absent); the prompts are held-out ones from the Python standard library (the demo's
-corpus; files the demo never trained on). Concurrency c = the number of prompts in one ``--prompts-file`` run; every run decodes exactly M new
+when the demo is absent), or with ``--pair DIR`` a pair ``bench/train_demo.py`` wrote (e.g. its
+``--preset medium``, a 51M target trained on the device for a GPU run); the prompts are held-out ones
+from the Python standard library (the corpus of both; files they never trained on). Each run's raw
+``generate`` JSON is appended to ``OUT/p3_runs.jsonl`` as it completes (with ``--out``). Concurrency c = the number of prompts in one ``--prompts-file`` run; every run decodes exactly M new
 tokens per prompt (``--ignore-eos``); tokens/s is the engine's own figure (decoding only, after its
 warm-up). Speedup = tokens/s(k) ÷ tokens/s(0) at the same c.
 
@@ -34,7 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import Result, device_name, save_plot
+from bench.common import (
+    Result,
+    append_jsonl,
+    describe_pair,
+    device_name,
+    heldout_prompts,
+    pair_dirs,
+    save_plot,
+)
 
 NAME = "p3"
 DESCRIPTION = "speedup: tokens/s with EAGLE3 / with --num-spec-tokens 0, PP=2 (plus a 70B projection on GPU)"
@@ -54,8 +64,12 @@ def _sweep(quick: bool, device: str) -> tuple[list[tuple[int, int]], int]:
     return [(c, k) for c in (1, 8) for k in (0, 1, 3, 5)], 96
 
 
-def _pair(work: Path) -> tuple[Path, Path, str]:
-    """(target dir, draft dir, what it is): the shipped demo pair, else a constructed agreeing pair."""
+def _pair(work: Path, pair: Path | None = None) -> tuple[Path, Path, str]:
+    """(target dir, draft dir, what it is): ``pair`` when given, else the shipped demo pair, else a
+    constructed agreeing pair."""
+    if pair is not None:
+        target, draft = pair_dirs(pair)
+        return target, draft, describe_pair(pair)
     from pipespec.demo import demo_available, demo_draft_dir, demo_target_dir
 
     if demo_available():
@@ -67,20 +81,10 @@ def _pair(work: Path) -> tuple[Path, Path, str]:
 
 
 def _prompts(target: Path, count: int) -> list[dict[str, Any]]:
-    """``count`` held-out stdlib prompts of 48 tokens (the demo's tokenizer), else seeded random ids."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
-    except Exception:  # noqa: BLE001 - no tokenizer in a constructed pair
-        tokenizer = None
-    if tokenizer is not None:
-        from bench.train_demo import eval_prompts, load_corpus
-
-        _, held, _ = load_corpus(max_chars=0)
-        ids = eval_prompts(tokenizer, held, count, 48, seed=0)
-        if len(ids) == count:
-            return [{"prompt_ids": p} for p in ids]
+    """``count`` held-out stdlib prompts of 48 tokens (the pair's tokenizer), else seeded random ids."""
+    ids = heldout_prompts(target, count, 48)
+    if ids is not None:
+        return [{"prompt_ids": p} for p in ids]
     import torch
 
     config = json.loads((target / "config.json").read_text())
@@ -89,12 +93,13 @@ def _prompts(target: Path, count: int) -> list[dict[str, Any]]:
 
 
 def _generate(target: Path, draft: Path, prompts_file: Path, k: int, new_tokens: int, device: str,
-              in_process: bool) -> dict[str, Any]:
+              in_process: bool, extra: Sequence[str] = ()) -> dict[str, Any]:
     """One ``pipespec generate --json`` run: a subprocess, or (``in_process``) the same CLI entry point
-    called here, which reuses this process's warm stage forkserver instead of importing torch again."""
+    called here, which reuses this process's warm stage forkserver instead of importing torch again.
+    ``extra``: further ``generate`` options (a variant of the engine's settings)."""
     args = ["generate", "--target", str(target), "--draft", str(draft),
            "--pp", "2", "--prompts-file", str(prompts_file), "--max-new-tokens", str(new_tokens),
-           "--num-spec-tokens", str(k), "--ignore-eos", "--device", device, "--json"]
+           "--num-spec-tokens", str(k), "--ignore-eos", "--device", device, "--json", *extra]
     if in_process:
         from pipespec.cli import main
 
@@ -112,7 +117,7 @@ def _generate(target: Path, draft: Path, prompts_file: Path, k: int, new_tokens:
     return json.loads(proc.stdout)
 
 
-def run(quick: bool, device: str, command: str) -> list[Result]:
+def run(quick: bool, device: str, command: str, pair: Path | None = None) -> list[Result]:
     runs, new_tokens = _sweep(quick, device)
     dev = device_name(device)
     out_dir = os.environ.get("PIPESPEC_BENCH_OUT")
@@ -120,7 +125,7 @@ def run(quick: bool, device: str, command: str) -> list[Result]:
     measured: dict[int, dict[int, dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         work = Path(tmp)
-        target, draft, what = _pair(work)
+        target, draft, what = _pair(work, pair)
         prompts = _prompts(target, max(c for c, _ in runs))
         started = time.perf_counter()
         for c, k in runs:
@@ -135,6 +140,9 @@ def run(quick: bool, device: str, command: str) -> list[Result]:
             # process, reusing the warm stage forkserver; a full CPU run starts it as a subprocess.
             in_process = quick or device == "cuda"
             measured.setdefault(c, {})[k] = _generate(target, draft, path, k, new_tokens, device, in_process)
+            if out_dir:
+                append_jsonl(Path(out_dir) / "p3_runs.jsonl", {"c": c, "k": k, "new_tokens": new_tokens, "device": device,
+                                                               "pair": what, "generate": measured[c][k]})
     series: dict[str, tuple[list[float], list[float]]] = {}
     for c, by_k in measured.items():
         base = by_k[0]

@@ -4,7 +4,10 @@ Measured end to end through the real CLI (``pipespec generate --pp 2``, stage pr
 NCCL on two GPUs), called in this process so every run reuses the warm stage forkserver. A small
 random Llama target and a random EAGLE3 draft (written with ``pipespec.engine.testing``; acceptance is
 therefore near 1, which does not matter here: the ratio compares two schedules of the same forwards),
-``--ignore-eos`` so every prompt decodes exactly M new tokens, prompts of 8–24 random tokens.
+``--ignore-eos`` so every prompt decodes exactly M new tokens, prompts of 8–24 random tokens. With
+``--pair DIR`` (a pair ``bench/train_demo.py`` wrote) that pair instead, on held-out stdlib prompts of 48
+tokens from its tokenizer (random ids in its vocabulary if it has none). Each run's raw ``generate`` JSON
+is appended to ``OUT/pipeline_runs.jsonl`` as it completes (with ``--out``).
 c = the number of prompts in one ``--prompts-file`` run (all running at once). Each repeat runs the two
 settings back to back (interleaved), the figure is the ratio of the medians of the engine's own
 ``tokens_per_s`` (decoding only, after its warm-up). Outputs must be identical between the two
@@ -27,13 +30,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import random
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import Result, device_name
+from bench.common import Result, append_jsonl, describe_pair, device_name, heldout_prompts, pair_dirs
 
 NAME = "pipeline"
 DESCRIPTION = "tokens/s with P micro-batches in flight / with one, PP=2, c=8 and 32"
@@ -43,8 +47,11 @@ PP = 2
 NUM_SPEC_TOKENS = 3
 
 
-def _model(work: Path, device: str) -> tuple[Path, Path, str]:
-    """A random target + draft: tiny on CPU, somewhat wider on GPU (run in bf16 there)."""
+def _model(work: Path, device: str, pair: Path | None = None) -> tuple[Path, Path, str]:
+    """``pair`` when given, else a random target + draft: tiny on CPU, somewhat wider on GPU (run in bf16 there)."""
+    if pair is not None:
+        target, draft = pair_dirs(pair)
+        return target, draft, describe_pair(pair)
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
@@ -63,11 +70,13 @@ def _model(work: Path, device: str) -> tuple[Path, Path, str]:
     return target, draft, what
 
 
-def _prompts(path: Path, count: int, vocab: int) -> Path:
-    rng = random.Random(count)
-    path.write_text("".join(
-        json.dumps({"prompt_ids": [rng.randrange(vocab) for _ in range(rng.randrange(8, 25))]}) + "\n" for _ in range(count)
-    ))
+def _prompts(path: Path, count: int, vocab: int, target: Path | None = None) -> Path:
+    """Held-out stdlib prompts from ``target``'s tokenizer when given (and it has one), else random ids."""
+    ids = heldout_prompts(target, count, 48) if target is not None else None
+    if ids is None:
+        rng = random.Random(count)
+        ids = [[rng.randrange(vocab) for _ in range(rng.randrange(8, 25))] for _ in range(count)]
+    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ids))
     return path
 
 
@@ -92,25 +101,30 @@ def busy_bound(result: dict[str, Any]) -> float:
     return decode / max(max(busy), 1e-9)
 
 
-def run(quick: bool, device: str, command: str) -> list[Result]:
+def run(quick: bool, device: str, command: str, pair: Path | None = None) -> list[Result]:
     new_tokens = 16 if quick else (64 if device == "cuda" else 32)
     repeats = 2 if quick else 3
     # k = 0 (plain decoding, no draft on the last stage: the most balanced stages) only in a full CPU run.
     cases = [(8, NUM_SPEC_TOKENS), (32, NUM_SPEC_TOKENS)] + ([] if quick or device == "cuda" else [(8, 0)])
     dev = device_name(device)
+    out_dir = os.environ.get("PIPESPEC_BENCH_OUT")
     results: list[Result] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        target, draft, what = _model(work, device)
+        target, draft, what = _model(work, device, pair)
         vocab = json.loads((target / "config.json").read_text())["vocab_size"]
         for c, k in cases:
-            prompts = _prompts(work / f"prompts_{c}.jsonl", c, vocab)
+            prompts = _prompts(work / f"prompts_{c}.jsonl", c, vocab, target if pair is not None else None)
             runs: dict[int, list[dict[str, Any]]] = {1: [], PP: []}
             if (c, k) == cases[0]:
                 _generate(target, draft, prompts, PP, 4, k, device)  # warm the forkserver and the page cache
             for _ in range(repeats):
                 for m in (1, PP):
                     runs[m].append(_generate(target, draft, prompts, m, new_tokens, k, device))
+                    if out_dir:
+                        append_jsonl(Path(out_dir) / "pipeline_runs.jsonl", {
+                            "c": c, "k": k, "micro_batches": m, "new_tokens": new_tokens, "device": device, "model": what,
+                            "generate": runs[m][-1]})
             rate = {m: statistics.median(r["tokens_per_s"] for r in rs) for m, rs in runs.items()}
             ratio = rate[PP] / rate[1]
             same = all(

@@ -1,4 +1,5 @@
-"""The benchmark driver's machine-readable output, and the CPU side of the GPU-only P3 projection.
+"""The benchmark driver's machine-readable output, the CPU side of the GPU-only P3 projection, ``--pair``,
+and the training script's presets and wall-time cap.
 
 Ratios are never asserted here (they are measured by ``pipespec bench``, not timed in unit tests): these
 tests pin the output contract scripts rely on and that the projection code runs and does its arithmetic.
@@ -9,15 +10,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+
+from pipespec.layout import eagle3_default_aux_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {"id", "value", "goal", "unit", "meets", "device", "command"}
 
 
-def _bench_json(*args: str) -> list[dict[str, object]]:
+def _bench_json(*args: str) -> list[dict[str, Any]]:
     cmd = [sys.executable, "-c", "import sys; from pipespec.cli import main; sys.exit(main())", "bench", *args, "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -79,3 +85,107 @@ def test_the_70b_projection_runs_on_cpu_at_toy_size_and_labels_itself() -> None:
         draft = float(row.detail.split("draft ")[1].split(" ms")[0])
         assert row.value == pytest.approx(expected_tau(alpha, k) * plain / (verify + draft), rel=0.02, abs=0.01)
         assert row.goal == (">= 2.3" if row.id.endswith(("c1.k1", "c1.k3")) else ">= 1")
+
+
+# ------------------------------------------------------------------------------------------ --pair
+def _tiny_pair(root: Path) -> Path:
+    from transformers import AutoConfig
+
+    from pipespec.engine.testing import write_tiny_draft, write_tiny_target
+
+    target = write_tiny_target(root / "target", "llama", seed=1)
+    write_tiny_draft(root / "draft", AutoConfig.from_pretrained(target), seed=2)
+    return root
+
+
+@pytest.mark.timeout(240)
+def test_p3_quick_runs_on_the_given_pair_and_records_it(tmp_path: Path) -> None:
+    pair = _tiny_pair(tmp_path / "pair").resolve()
+    out = tmp_path / "out"
+    rows = _bench_json("p3", "--quick", "--pair", str(pair), "--out", str(out))
+    by_id = {r["id"]: r for r in rows}
+    assert {"P3.speedup.c1.k3", "P3.speedup.c8.k3", "P3.acceptance.c1.k3", "P3.acceptance.c8.k3"} <= set(by_id)
+    for c in (1, 8):
+        row = by_id[f"P3.speedup.c{c}.k3"]
+        assert f"pair {pair}: llama target, 4 layers" in row["detail"], row["detail"]
+        assert row["value"] > 0 and f"--pair {pair}" in row["command"]
+    # One raw record per generate run, written as each finished, naming the pair too.
+    runs = [json.loads(line) for line in (out / "p3_runs.jsonl").read_text().splitlines()]
+    assert [(r["c"], r["k"]) for r in runs] == [(1, 0), (1, 3), (8, 0), (8, 3)]
+    assert all(str(pair) in r["pair"] and r["generate"]["tokens_per_s"] > 0 for r in runs)
+    assert json.loads((out / "p3.json").read_text()) == rows
+
+
+@pytest.mark.parametrize("case", ["missing", "no_draft", "other_bench"])
+def test_bad_pair_is_one_usage_line(tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipespec.cli import main
+
+    root = tmp_path / "pair"
+    name = "p3"
+    if case == "no_draft":
+        (root / "target").mkdir(parents=True)
+        (root / "target" / "config.json").write_text("{}")
+    elif case == "other_bench":
+        _tiny_pair(root)
+        name = "p5"
+    capsys.readouterr()  # the checkpoint writer's progress bars
+    assert main(["bench", name, "--quick", "--pair", str(root)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipespec: error: --pair"), captured.err
+    expected = {"missing": f"{root}: no such directory", "no_draft": f"{root / 'draft'} is missing",
+                "other_bench": "not by 'p5'"}[case]
+    assert expected in lines[0]
+    assert captured.out == ""
+
+
+# ---------------------------------------------------------------------------------- train_demo
+def _train_demo() -> Any:
+    sys.path.insert(0, str(ROOT))
+    import bench.train_demo as train_demo
+
+    return train_demo
+
+
+def test_medium_preset_builds_a_50_to_60m_target_and_its_draft() -> None:
+    td = _train_demo()
+    p = td.PRESETS["medium"]
+    target = td.make_target(p, p.vocab_size, eos_id=0)
+    params = sum(q.numel() for q in target.parameters())
+    assert 50e6 <= params <= 60e6, params
+    config = target.config
+    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size) == (
+        p.hidden_size, p.num_layers, p.intermediate_size, p.vocab_size)
+    assert config.num_attention_heads % config.num_key_value_heads == 0 and config.tie_word_embeddings
+    aux = eagle3_default_aux_ids(p.num_layers)
+    draft = td.make_draft(p, config, torch.arange(p.draft_vocab_size), aux)
+    assert draft.lm_head.out_features == p.draft_vocab_size < p.vocab_size
+    assert draft.fc.in_features == len(aux) * p.hidden_size
+    assert draft.midlayer.mlp.gate_proj.out_features == p.draft_intermediate_size
+
+
+def test_preset_and_quick_are_mutually_exclusive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    td = _train_demo()
+    with pytest.raises(SystemExit) as exc:
+        td.main(["--out", str(tmp_path), "--quick", "--preset", "medium"])
+    assert exc.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_training_loops_stop_at_the_wall_time_cap_and_say_so() -> None:
+    td = _train_demo()
+    p = replace(td.PRESETS["quick"], target_steps=3, draft_steps=3, batch_size=2, seq_len=16)
+    torch.manual_seed(0)
+    stream = torch.randint(0, 64, (400,), dtype=torch.int32)
+    target = td.make_target(p, 64, eos_id=0)
+    logs: list[str] = []
+    capped = td.train_target(target, stream, p, "cpu", 0, logs.append, max_s=1e-9)
+    assert (capped["steps_run"], capped["planned_steps"], capped["time_capped"]) == (1, 3, True)
+    assert any("stopping after 1 of 3 steps" in line for line in logs)
+    full = td.train_target(target, stream, p, "cpu", 0, logs.append)
+    assert (full["steps_run"], full["time_capped"], full["max_train_s"]) == (3, False, None)
+    aux = eagle3_default_aux_ids(p.num_layers)
+    draft = td.make_draft(p, target.config, td.draft_vocabulary(stream, 64, 32), aux)
+    stats = td.train_draft(draft, target, aux, stream, p, "cpu", 0, logs.append, max_s=1e-9)
+    assert (stats["steps_run"], stats["planned_steps"], stats["time_capped"]) == (1, 3, True)

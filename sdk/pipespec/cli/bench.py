@@ -1,8 +1,11 @@
-"""``pipespec bench NAME [--quick] [--device cpu|cuda] [--json]``: run the benchmark scripts in bench/.
+"""``pipespec bench NAME [--quick] [--device cpu|cuda] [--json] [--out DIR] [--pair DIR]``: run the
+benchmark scripts in bench/.
 
 Each benchmark prints a table; ``--json`` prints the list of ``{"id", "value", "goal", "unit", "meets",
 "device", "command"}`` on stdout (tables go to stderr then). ``all`` runs every CPU-feasible benchmark
-(with ``--device cuda``: every benchmark).
+(with ``--device cuda``: every benchmark). ``--pair DIR`` (p3 and pipeline only) runs on a trained pair,
+``DIR/target`` (HF checkpoint + tokenizer) and ``DIR/draft`` (pipespec draft checkpoint), as
+``bench/train_demo.py`` writes them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ BENCHES = {
     "pipeline": "bench.pipeline_microbatches",
     "soak": "bench.soak",
 }
+# The benchmarks whose run() takes ``pair`` (a trained target + draft instead of their default models).
+PAIR_BENCHES = ("p3", "pipeline")
 
 
 def bench_root() -> Path:
@@ -46,6 +51,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", action="store_true", help="print the result list as JSON on stdout")
     parser.add_argument("--out", metavar="DIR", help="also write <name>.json (and plots) into DIR")
+    parser.add_argument("--pair", metavar="DIR",
+                        help=f"run {' and '.join(PAIR_BENCHES)} on DIR/target + DIR/draft (as bench/train_demo.py "
+                             "writes them) instead of their default models")
+
+
+def pair_dir(name: str, pair: str) -> Path:
+    """Check ``--pair DIR`` for benchmark ``name``: a benchmark that uses it, and DIR with target/ and draft/."""
+    if name not in PAIR_BENCHES:
+        raise UsageError(f"--pair is used by {' and '.join(PAIR_BENCHES)} only, not by {name!r}")
+    root = Path(pair)
+    if not root.is_dir():
+        raise UsageError(f"--pair {pair}: no such directory")
+    for sub, holds in (("target", "the HF target checkpoint"), ("draft", "the draft checkpoint")):
+        if not (root / sub).is_dir():
+            raise UsageError(f"--pair {pair}: {root / sub} is missing (it should hold {holds}, as bench/train_demo.py "
+                             "writes it)")
+    if not (root / "target" / "config.json").is_file():
+        raise UsageError(f"--pair {pair}: {root / 'target' / 'config.json'} is missing (not an HF checkpoint)")
+    return root.resolve()
 
 
 def _load(module_name: str):  # type: ignore[no-untyped-def]
@@ -62,6 +86,7 @@ def _load(module_name: str):  # type: ignore[no-untyped-def]
 
 def run(args: argparse.Namespace) -> int:
     names = list(BENCHES) if args.name == "all" else [args.name]
+    pair = pair_dir(args.name, args.pair) if args.pair is not None else None
     if args.device == "cuda":
         import torch
 
@@ -82,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"benchmark {name!r} is not available in this checkout ({BENCHES[name]} missing)")
         if args.name == "all" and args.device == "cpu" and not module.CPU_FEASIBLE:
             continue
-        results = module.run(quick=args.quick, device=args.device, command=command)
+        options = {"pair": pair} if pair is not None else {}
+        results = module.run(quick=args.quick, device=args.device, command=command, **options)
         out = sys.stderr if args.json else sys.stdout
         stdout, sys.stdout = sys.stdout, out
         try:
