@@ -23,14 +23,28 @@ API (stable; the engine codes against it)::
     # after a verify step where a_b drafts of row b were accepted (+ one bonus token):
     #   aux      = the target's aux states at the a_b + 1 accepted positions (padded to a common T)
     #   next_ids = [d_1, ..., d_{a_b}, bonus]  (the tokens that follow those positions)
-    drafts = draft.propose(aux, next_ids, cache, num_tokens=K, num_valid=accepted + 1)
+    drafts = draft.propose(aux, next_ids, cache, num_tokens=K, num_valid=[a_b + 1 for each row])
+    # a round without speculation: keep the draft's cache in step with the target, draft nothing
+    #   (num_valid entries may be 0 here: such a row is left as it was)
+    draft.extend(aux, next_ids, cache, num_valid=counts)
+
+    # batches of sequences (one cache row each) are regrouped between rounds:
+    merged = DraftKVCache.concat([cache_a, cache_b, cache_c])   # rows stacked in order, capacities padded
+    kept = merged.select([0, 2])                                # a copy holding those rows, in that order
+    cache.crop(lengths)                                         # validated rollback (see crop)
+
+``num_valid`` is best passed as host integers (a list, or a CPU tensor): they are validated, copied to
+the device once (pinned, non-blocking on CUDA), and let the cache keep exact host-side lengths, so
+attention spans never drift past the longest row. A device tensor is used as is, unvalidated. Neither
+``propose`` nor ``extend`` ever reads a device value back to the host (no ``.item()``, ``.tolist()``,
+``bool(tensor)``): the engine's own ``drafts.tolist()`` is the one synchronisation a round needs.
 
 Semantics (EAGLE3): at target position ``t`` the draft's input pair is (feature ``f_t = fc(cat(aux
 states at t))``, token ``x_{t+1}``) and its output predicts ``x_{t+2}``; later draft steps feed back the
 draft's own pre-norm output hidden and the token it drafted. The draft cache is position-aligned with
 the target: cache slot ``t`` holds the draft's key/value for target position ``t``, and rotary positions
 are the slot indices. ``propose`` leaves the cache holding exactly the target-verified positions (it
-crops its own speculative entries before returning), so the engine never rolls the draft cache back
+drops its own speculative entries before returning), so the engine never rolls the draft cache back
 itself; ``DraftKVCache.crop`` is public for engines that want a different policy.
 
 Architecture: ``fc`` (k·H_t → H, no bias), ONE Llama-style decoder layer (``midlayer``) whose attention
@@ -39,11 +53,13 @@ q/k/v read ``cat(input_layernorm(embeds), hidden_norm(h))`` (2H inputs) and whos
 final ``norm``, ``lm_head`` over the draft vocabulary, and ``d2t`` offsets (target id = draft id +
 ``d2t[draft id]``). Token embeddings come from ``embed_tokens``: the draft's own, or the target's module
 shared via ``pipespec.embed.maybe_share_target_embed``. Rotary embeddings follow the layer's Llama config
-(any ``rope_parameters`` transformers understands, e.g. llama3 scaling).
+(any ``rope_parameters`` transformers understands, e.g. llama3 scaling), computed exactly as transformers'
+``LlamaRotaryEmbedding`` does.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -139,36 +155,183 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
+        # The casts are skipped (not merely no-ops) for float32 inputs: each is a dispatched op.
+        wide = x.dtype == torch.float32
+        x32 = x if wide else x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * (x32 if wide else x32.to(x.dtype))
+
+
+def _long_on(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Host integers as an int64 tensor on ``device``; to CUDA via pinned memory without a stream sync."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _valid_counts(
+    num_valid: torch.Tensor | Sequence[int] | None, batch: int, steps: int, device: torch.device, *, minimum: int,
+) -> tuple[torch.Tensor, list[int] | None] | None:
+    """``num_valid`` as (device tensor, host list or None); host values are checked against ``[minimum, steps]``."""
+    if num_valid is None:
+        return None
+    if isinstance(num_valid, torch.Tensor) and num_valid.device.type != "cpu":
+        if tuple(num_valid.shape) != (batch,):
+            raise ValueError(f"num_valid has shape {tuple(num_valid.shape)}, expected ({batch},): one count per row")
+        counts = num_valid if num_valid.dtype == torch.long else num_valid.long()
+        return (counts if counts.device == device else counts.to(device)), None
+    if isinstance(num_valid, torch.Tensor):
+        if num_valid.dim() != 1:
+            raise ValueError(f"num_valid has shape {tuple(num_valid.shape)}, expected ({batch},): one count per row")
+        host = [int(n) for n in num_valid.tolist()]  # host memory: no device synchronisation
+    else:
+        host = [operator.index(n) for n in num_valid]
+    if len(host) != batch:
+        raise ValueError(f"num_valid has {len(host)} entries, expected {batch}: one count per row")
+    if any(not minimum <= n <= steps for n in host):
+        raise ValueError(f"num_valid {host} must lie in [{minimum}, {steps}] for every row ({steps} new positions)")
+    return _long_on(host, device), host
+
+
+def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive runs ``[start, stop)`` covering ``rows`` in order (so selection needs no index tensor)."""
+    runs: list[tuple[int, int]] = []
+    for row in rows:
+        if runs and runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    return runs
 
 
 class DraftKVCache:
     """Per-row key/value storage of the draft's single attention layer, position-aligned with the target.
 
-    ``lengths[b]`` is how many positions row ``b`` holds; slot ``t`` is target position ``t``. Writes of
-    a ragged batch put every row's ``T`` new entries at ``lengths[b] ..`` and advance ``lengths`` by that
-    row's valid count only: padded entries lie beyond ``lengths`` and are masked out and overwritten
-    later. ``crop`` rolls rows back; nothing is freed.
+    ``lengths[b]`` (a device tensor) is how many positions row ``b`` holds; slot ``t`` is target position
+    ``t``. Writes of a ragged batch put every row's ``T`` new entries at ``lengths[b] ..`` and advance
+    ``lengths`` by that row's valid count only: padded entries lie beyond ``lengths`` and are masked out
+    and overwritten later. ``crop`` rolls rows back; nothing is freed.
+
+    ``max_length`` is a host-side upper bound of ``max(lengths)``: it sizes writes and attention spans
+    without a device sync. While every update came with host-known counts (``num_valid`` as integers, int
+    or list crops) the cache also keeps ``host_lengths``, and ``max_length`` is then exact.
     """
 
     def __init__(
         self, batch_size: int, num_kv_heads: int, head_dim: int, *, capacity: int = 256,
         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
     ) -> None:
-        self.batch_size = batch_size
-        self.key = torch.zeros(batch_size, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.value = torch.zeros_like(self.key)
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-        # Host-side upper bound of max(lengths): sizes writes and attention spans without a device sync.
-        self.max_length = 0
+        if batch_size < 0 or capacity < 0:
+            raise ValueError(f"a draft cache needs batch_size >= 0 and capacity >= 0, got {batch_size} and {capacity}")
+        key = torch.zeros(batch_size, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self._set(key, torch.zeros_like(key), lengths, 0, [0] * batch_size)
+
+    def _set(
+        self, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor, max_length: int, host: list[int] | None,
+    ) -> None:
+        self.key, self.value = key, value
+        self._lengths = lengths
+        self._host = host
+        self.max_length = max_length
+        self._slot_ids: torch.Tensor | None = None  # arange over slots on the cache's device, grown lazily
+
+    @classmethod
+    def _of(
+        cls, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor, max_length: int, host: list[int] | None,
+    ) -> DraftKVCache:
+        cache = cls.__new__(cls)
+        cache._set(key, value, lengths, max_length, host)
+        return cache
+
+    # ------------------------------------------------------------------------------ shape
+    @property
+    def batch_size(self) -> int:
+        return int(self.key.shape[0])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.key.shape[1])
 
     @property
     def capacity(self) -> int:
         return int(self.key.shape[2])
 
+    @property
+    def head_dim(self) -> int:
+        return int(self.key.shape[3])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.key.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.key.device
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, value: torch.Tensor) -> None:
+        # Set from outside: the host copy can no longer be trusted (max_length must stay an upper bound).
+        self._lengths = value
+        self._host = None
+
+    @property
+    def host_lengths(self) -> tuple[int, ...] | None:
+        """Every row's length as host integers, when all updates were host-known; else None."""
+        return None if self._host is None else tuple(self._host)
+
+    # ------------------------------------------------------------------------------ rows
+    def select(self, rows: Sequence[int]) -> DraftKVCache:
+        """A new cache holding copies of ``rows`` (in that order); same capacity, dtype and device."""
+        size = self.batch_size
+        picked = [operator.index(r) for r in rows]
+        bad = [r for r in picked if not 0 <= r < size]
+        if bad:
+            raise ValueError(f"select rows {bad} are outside the cache's {size} rows")
+        runs = _runs(picked)
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t[a:b] for a, b in runs]) if runs else t[:0].clone()
+
+        host = None if self._host is None else [self._host[r] for r in picked]
+        max_length = self.max_length if host is None else max(host, default=0)
+        return DraftKVCache._of(take(self.key), take(self.value), take(self._lengths), max_length, host)
+
+    @classmethod
+    def concat(cls, caches: Sequence[DraftKVCache]) -> DraftKVCache:
+        """One cache holding the rows of ``caches`` in order; smaller capacities are padded to the largest."""
+        parts = list(caches)
+        if not parts:
+            raise ValueError("DraftKVCache.concat needs at least one cache")
+        first = parts[0]
+        for i, part in enumerate(parts[1:], start=1):
+            mine = (part.num_kv_heads, part.head_dim, part.dtype, part.device)
+            theirs = (first.num_kv_heads, first.head_dim, first.dtype, first.device)
+            if mine != theirs:
+                raise ValueError(
+                    f"cannot concat draft caches: cache {i} has {mine[0]} kv heads, head_dim {mine[1]}, {mine[2]} on "
+                    f"{mine[3]}; cache 0 has {theirs[0]} kv heads, head_dim {theirs[1]}, {theirs[2]} on {theirs[3]}"
+                )
+        capacity = max(part.capacity for part in parts)
+
+        def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+            padded = [t if t.shape[2] == capacity else F.pad(t, (0, 0, 0, capacity - t.shape[2])) for t in tensors]
+            return torch.cat(padded)
+
+        host: list[int] | None = []
+        for part in parts:
+            host = None if host is None or part._host is None else host + part._host
+        return cls._of(
+            stack([p.key for p in parts]), stack([p.value for p in parts]), torch.cat([p._lengths for p in parts]),
+            max(part.max_length for part in parts), host,
+        )
+
+    # ------------------------------------------------------------------------------ storage
     def reserve(self, extra: int) -> None:
         """Grow storage (doubling) so ``extra`` more positions fit after the longest row."""
         needed = self.max_length + extra
@@ -179,32 +342,83 @@ class DraftKVCache:
         self.key = F.pad(self.key, (0, 0, 0, pad))
         self.value = F.pad(self.value, (0, 0, 0, pad))
 
+    def slot_ids(self, count: int) -> torch.Tensor:
+        """``arange(count)`` on the cache's device, sliced from a kept range (no kernel per call)."""
+        ids = self._slot_ids
+        if ids is None or ids.shape[0] < count:
+            ids = torch.arange(max(count, self.capacity), device=self.key.device)
+            self._slot_ids = ids
+        return ids[:count]
+
     def crop(self, lengths: int | Sequence[int] | torch.Tensor) -> None:
         """Keep only the first ``lengths`` positions (an int for every row, or one per row).
 
-        Rolling forward is refused: a row cannot claim positions it never wrote.
+        Rolling forward is refused: a row cannot claim positions it never wrote. Validation reads lengths on
+        the host: free for ints and lists while ``host_lengths`` is known, a device sync otherwise.
         """
-        new = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
-        new = new.expand(self.batch_size) if new.dim() == 0 else new
-        if new.shape != self.lengths.shape:
-            raise ValueError(f"crop lengths have shape {tuple(new.shape)}, the cache has {self.batch_size} rows")
-        if bool((new < 0).any()) or bool((new > self.lengths).any()):
-            raise ValueError(f"crop to {new.tolist()} is outside the cached lengths {self.lengths.tolist()}")
-        self.lengths = new.clone()
+        size = self.batch_size
+        if isinstance(lengths, torch.Tensor):
+            if lengths.dim() > 1 or (lengths.dim() == 1 and lengths.shape[0] != size):
+                raise ValueError(f"crop lengths have shape {tuple(lengths.shape)}, the cache has {size} rows")
+            values = [int(lengths)] * size if lengths.dim() == 0 else [int(n) for n in lengths.tolist()]
+        elif isinstance(lengths, int):
+            values = [lengths] * size
+        else:
+            values = [operator.index(n) for n in lengths]
+            if len(values) != size:
+                raise ValueError(f"crop lengths have shape ({len(values)},), the cache has {size} rows")
+        current = self._host if self._host is not None else [int(n) for n in self._lengths.tolist()]
+        if any(not 0 <= new <= old for new, old in zip(values, current, strict=True)):
+            raise ValueError(f"crop to {values} is outside the cached lengths {current}")
         if isinstance(lengths, int):
-            self.max_length = lengths
+            self._lengths = torch.full_like(self._lengths, lengths)
+        else:
+            self._lengths = _long_on(values, self._lengths.device)
+        self._host = values
+        self.max_length = max(values, default=0)
 
-    def write(self, key: torch.Tensor, value: torch.Tensor, num_valid: torch.Tensor | None) -> torch.Tensor:
+    def write(
+        self, key: torch.Tensor, value: torch.Tensor, num_valid: torch.Tensor | Sequence[int] | None,
+    ) -> torch.Tensor:
         """Store ``[B, kvh, T, d]`` new entries; return their slot indices ``[B, T]`` (pre-advance)."""
         steps = key.shape[2]
-        self.reserve(steps)
-        slots = self.lengths[:, None] + torch.arange(steps, device=key.device)
-        index = slots[:, None, :, None].expand_as(key)
-        self.key.scatter_(2, index, key.to(self.key.dtype))
-        self.value.scatter_(2, index, value.to(self.value.dtype))
-        self.lengths = self.lengths + (steps if num_valid is None else num_valid.to(self.lengths.device))
-        self.max_length += steps
+        slots = self._lengths[:, None] + self.slot_ids(steps)
+        self._append(key, value, slots, _valid_counts(num_valid, self.batch_size, steps, self.device, minimum=0))
         return slots
+
+    def _append(
+        self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+        valid: tuple[torch.Tensor, list[int] | None] | None,
+    ) -> int:
+        """Scatter entries to ``slots [B, T]``, advance lengths; return the attention span for this write."""
+        bsz, _, steps, _ = key.shape
+        self.reserve(steps)
+        index = slots.reshape(bsz, 1, steps, 1).expand_as(key)
+        self.key.scatter_(2, index, key if key.dtype == self.key.dtype else key.to(self.key.dtype))
+        self.value.scatter_(2, index, value if value.dtype == self.value.dtype else value.to(self.value.dtype))
+        span = self.max_length + steps
+        if valid is None:
+            self._lengths = self._lengths + steps
+            self._host = None if self._host is None else [n + steps for n in self._host]
+            self.max_length = span
+            return span
+        counts, host_counts = valid
+        self._lengths = self._lengths + counts
+        if self._host is not None and host_counts is not None:
+            self._host = [n + c for n, c in zip(self._host, host_counts, strict=True)]
+            self.max_length = max(self._host, default=0)
+        else:
+            self._host = None
+            self.max_length = span
+        return span
+
+    def _snapshot(self) -> tuple[torch.Tensor, int, list[int] | None]:
+        # Safe without copies: lengths tensors and host lists are replaced on update, never mutated.
+        return self._lengths, self.max_length, self._host
+
+    def _restore(self, state: tuple[torch.Tensor, int, list[int] | None]) -> None:
+        """Roll back to a snapshot taken by this cache (no validation, no device sync)."""
+        self._lengths, self.max_length, self._host = state
 
 
 class Eagle3DraftLayer(nn.Module):
@@ -238,17 +452,23 @@ class Eagle3DraftLayer(nn.Module):
     def qkv(
         self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Residual and rotated q, k, v (``[B, heads, T, d]``) for one block of inputs."""
+        """Residual and rotated q, k, v (``[B, heads, T, d]``) for one block; ``cos``/``sin`` as ``rotary`` gives."""
+        return self.rotated_qkv(embeds, hidden, *rotary_factors(cos, sin))
+
+    def rotated_qkv(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``qkv`` with the rotary factors already prepared by ``rotary_factors`` (shared by q and k)."""
         bsz, steps, _ = hidden.shape
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)
         attn = self.self_attn
-        q = attn.q_proj(x).view(bsz, steps, self.num_heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(bsz, steps, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(bsz, steps, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
-        return residual, q, k, v
+        # Rotated in the projections' own contiguous [B, T, heads, d] layout (roll needs no copy), then transposed.
+        q = _apply_rotary(attn.q_proj(x).view(bsz, steps, self.num_heads, self.head_dim), cos, signed_sin)
+        k = _apply_rotary(attn.k_proj(x).view(bsz, steps, self.num_kv_heads, self.head_dim), cos, signed_sin)
+        v = attn.v_proj(x).view(bsz, steps, self.num_kv_heads, self.head_dim)
+        return residual, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """``o_proj`` + residual, then post-attention norm + MLP + residual; ``attn_out`` is ``[B, heads, T, d]``."""
@@ -268,14 +488,22 @@ class Eagle3DraftLayer(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotary_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T, d]`` cos/sin → cos and the sign-folded sin ``_apply_rotary`` takes, ``[B, T, 1, d]`` each.
+
+    Llama's ``x·cos + rotate_half(x)·sin`` with ``rotate_half(x) = cat(-x₂, x₁)`` equals
+    ``x·cos + roll(x, d/2)·cat(-sin₁, sin₂)`` exactly (a sign moves between the factors of a product):
+    one roll per tensor instead of two slices, a negation and a concatenation, and the sign work is
+    done once for q and k together.
+    """
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos.unsqueeze(2), signed.unsqueeze(2)
 
 
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, T, heads, d]`` by the factors of ``rotary_factors``."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Eagle3Draft(nn.Module):
@@ -302,18 +530,27 @@ class Eagle3Draft(nn.Module):
     def reset_rotary(self) -> None:
         """(Re)build the rotary tables on the CPU in float32 (after construction on the meta device)."""
         with torch.device("cpu"):
-            self.__dict__["_rotary"] = LlamaRotaryEmbedding(self.config.layer)
+            rotary = LlamaRotaryEmbedding(self.config.layer)
+        self.__dict__["_rotary"] = rotary
+        # Dynamic/longrope variants update their frequencies from the positions (a host read for "dynamic"):
+        # those keep going through the module; every other type uses the fixed frequencies directly.
+        rope_type = str(rotary.rope_type)
+        self.__dict__["_rope_fixed"] = "dynamic" not in rope_type and rope_type != "longrope"
 
     # ------------------------------------------------------------------------------ pieces
-    def combine_aux(self, aux: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-        """``fc(cat(aux states))``: k tensors ``[B, T, H_t]`` in id order → ``[B, T, H]``."""
+    def _aux_features(self, aux: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         x = aux if isinstance(aux, torch.Tensor) else torch.cat(list(aux), dim=-1)
         if x.shape[-1] != self.fc.in_features:
             raise ValueError(
                 f"the draft's fc takes {self.fc.in_features} features ({self.config.num_aux} aux states x "
                 f"{self.config.target_hidden_size}) but got {x.shape[-1]}"
             )
-        return self.fc(x.to(self.fc.weight.dtype))
+        dtype = self.fc.weight.dtype
+        return x if x.dtype == dtype else x.to(dtype)
+
+    def combine_aux(self, aux: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+        """``fc(cat(aux states))``: k tensors ``[B, T, H_t]`` in id order → ``[B, T, H]``."""
+        return self.fc(self._aux_features(aux))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         embed = self.embed_tokens
@@ -322,14 +559,30 @@ class Eagle3Draft(nn.Module):
                 "the draft has no embed_tokens: load one from the checkpoint or share the target's input "
                 "embedding with pipespec.embed.maybe_share_target_embed(draft, target_embed)"
             )
-        return embed(input_ids).to(self.fc.weight.dtype)
+        out = embed(input_ids)
+        dtype = self.fc.weight.dtype
+        return out if out.dtype == dtype else out.to(dtype)
 
     def rotary(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[B, T, d]`` for integer ``positions [B, T]``, via transformers' Llama rotary."""
+        """cos/sin ``[B, T, d]`` for integer ``positions [B, T]``: transformers' Llama rotary, bit for bit.
+
+        The frequencies move to ``like``'s device once (on first use there); for fixed-frequency rope types
+        the cos/sin come straight from them, without the module call's no-op casts.
+        """
         rotary: LlamaRotaryEmbedding = self.__dict__["_rotary"]
         if rotary.inv_freq.device != like.device:
             rotary.to(like.device)
-        return rotary(like, positions)
+        if not self.__dict__["_rope_fixed"]:
+            return rotary(like, positions)
+        freqs = positions.unsqueeze(-1).float() * rotary.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        scaling = rotary.attention_scaling
+        if scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
+        if like.dtype != torch.float32:
+            cos, sin = cos.to(like.dtype), sin.to(like.dtype)
+        return cos, sin
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of pre-norm hidden states."""
@@ -355,7 +608,7 @@ class Eagle3Draft(nn.Module):
         input_ids: torch.Tensor,
         hidden_states: torch.Tensor,
         cache: DraftKVCache | None = None,
-        num_valid: torch.Tensor | None = None,
+        num_valid: torch.Tensor | Sequence[int] | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One pass of the draft layer over ``T`` input pairs; returns the pre-norm output ``[B, T, H]``.
@@ -365,28 +618,79 @@ class Eagle3Draft(nn.Module):
         appended (``num_valid[b]`` of them count for row ``b``); without one the block is causal on its
         own with ``position_ids`` (default ``0..T-1``).
         """
+        valid = None
+        if cache is not None:
+            valid = _valid_counts(num_valid, cache.batch_size, input_ids.shape[1], cache.device, minimum=0)
+        return self._forward(input_ids, hidden_states, cache, valid, position_ids)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        cache: DraftKVCache | None,
+        valid: tuple[torch.Tensor, list[int] | None] | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
         embeds = self.embed(input_ids)
-        hidden = hidden_states.to(self.fc.weight.dtype)
+        dtype = self.fc.weight.dtype
+        hidden = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
         bsz, steps, _ = hidden.shape
-        device = hidden.device
-        if cache is None:
-            positions = position_ids if position_ids is not None else torch.arange(steps, device=device).expand(bsz, steps)
+        if cache is not None:
+            # One step per draft token: the positions are the lengths themselves (no arange, no add).
+            positions = cache.lengths.unsqueeze(1) if steps == 1 else cache.lengths.unsqueeze(1) + cache.slot_ids(steps)
+        elif position_ids is not None:
+            positions = position_ids
         else:
-            positions = cache.lengths[:, None] + torch.arange(steps, device=device)
-        cos, sin = self.rotary(hidden, positions)
+            positions = torch.arange(steps, device=hidden.device).expand(bsz, steps)
         layer = self.midlayer
-        residual, q, k, v = layer.qkv(embeds, hidden, cos, sin)
+        residual, q, k, v = layer.rotated_qkv(embeds, hidden, *rotary_factors(*self.rotary(hidden, positions)))
         if cache is None:
-            key_pos = positions
-            keys, values = k, v
+            keys, values, key_pos = k, v, positions.unsqueeze(1)
         else:
-            cache.write(k, v, num_valid)
-            span = cache.max_length
-            keys, values = cache.key[:, :, :span], cache.value[:, :, :span]
-            key_pos = torch.arange(span, device=device).expand(bsz, span)
+            span = cache._append(k, v, positions, valid)
+            keys, values, key_pos = cache.key.narrow(2, 0, span), cache.value.narrow(2, 0, span), cache.slot_ids(span)
         # Causal by position: each query sees every stored position up to its own.
-        mask = (key_pos[:, None, :] <= positions[:, :, None])[:, None]
+        mask = (key_pos <= positions.unsqueeze(2)).unsqueeze(1)
         return layer.finish(residual, layer.attend(q, keys, values, mask))
+
+    # ----------------------------------------------------------------------------- the engine's calls
+    def _extend(
+        self,
+        aux: Sequence[torch.Tensor] | torch.Tensor,
+        next_ids: torch.Tensor,
+        cache: DraftKVCache,
+        num_valid: torch.Tensor | Sequence[int] | None,
+        *,
+        minimum: int,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, list[int] | None] | None]:
+        """The first pass over verified positions: (pre-norm outputs ``[B, T, H]``, the parsed counts)."""
+        if next_ids.dim() != 2 or next_ids.shape[0] != cache.batch_size:
+            raise ValueError(f"next_ids has shape {tuple(next_ids.shape)}, expected (batch={cache.batch_size}, T)")
+        features = self._aux_features(aux)
+        if tuple(features.shape[:2]) != tuple(next_ids.shape):
+            raise ValueError(
+                f"aux states cover (batch, positions) = {tuple(features.shape[:2])} but next_ids has shape "
+                f"{tuple(next_ids.shape)}"
+            )
+        valid = _valid_counts(num_valid, cache.batch_size, next_ids.shape[1], cache.device, minimum=minimum)
+        return self._forward(next_ids, self.fc(features), cache, valid, None), valid
+
+    @torch.no_grad()
+    def extend(
+        self,
+        aux: Sequence[torch.Tensor] | torch.Tensor,
+        next_ids: torch.Tensor,
+        cache: DraftKVCache,
+        num_valid: torch.Tensor | Sequence[int] | None = None,
+    ) -> None:
+        """Append target-verified positions to the cache without drafting (a round with no speculation).
+
+        Same inputs as ``propose``; ``num_valid`` entries may be 0 (a row with nothing new this round keeps
+        its cache as it was). Afterwards drafting resumes with full context.
+        """
+        if next_ids.dim() == 2 and next_ids.shape[1] == 0:
+            return
+        self._extend(aux, next_ids, cache, num_valid, minimum=0)
 
     @torch.no_grad()
     def propose(
@@ -395,32 +699,33 @@ class Eagle3Draft(nn.Module):
         next_ids: torch.Tensor,
         cache: DraftKVCache,
         num_tokens: int,
-        num_valid: torch.Tensor | None = None,
+        num_valid: torch.Tensor | Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Extend the cache with target-verified positions, then draft ``num_tokens`` target ids per row.
 
         ``aux``: the target's aux states at the new verified positions (k tensors ``[B, T, H_t]`` in id
         order, or their concatenation); ``next_ids [B, T]``: the token following each of those positions;
-        ``num_valid [B]``: how many of the ``T`` are real per row (default all; at least 1 each). Returns
-        ``[B, num_tokens]`` target ids; the cache afterwards holds only verified positions.
+        ``num_valid [B]``: how many of the ``T`` are real per row (default all; at least 1 each, checked
+        when given as host integers). Returns ``[B, num_tokens]`` target ids; the cache afterwards holds
+        only verified positions. No device value is read back to the host.
         """
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        out = self(next_ids, self.combine_aux(aux), cache, num_valid=num_valid)
+        if next_ids.dim() == 2 and next_ids.shape[1] == 0:
+            raise ValueError("propose needs at least one new verified position (next_ids has T = 0); use extend")
+        out, valid = self._extend(aux, next_ids, cache, num_valid, minimum=1)
         bsz, steps, hidden_size = out.shape
-        if num_valid is None:
+        if valid is None or (valid[1] is not None and all(n == steps for n in valid[1])):
             last = out[:, -1:]
         else:
-            index = (num_valid.to(out.device) - 1).clamp(min=0).view(bsz, 1, 1).expand(bsz, 1, hidden_size)
+            index = (valid[0] - 1).clamp(min=0).view(bsz, 1, 1).expand(bsz, 1, hidden_size)
             last = out.gather(1, index)
-        verified = cache.lengths.clone()
-        verified_max = cache.max_length
+        verified = cache._snapshot()
         token = self.greedy_target_ids(last)
         drafts = [token]
         for _ in range(num_tokens - 1):
-            last = self(token, last, cache)
+            last = self._forward(token, last, cache, None, None)
             token = self.greedy_target_ids(last)
             drafts.append(token)
-        cache.crop(verified)
-        cache.max_length = verified_max
-        return torch.cat(drafts, dim=1)
+        cache._restore(verified)
+        return token if num_tokens == 1 else torch.cat(drafts, dim=1)

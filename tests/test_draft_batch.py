@@ -1,0 +1,338 @@
+"""Batched drafting: cache row operations, ``extend``, ragged batches against single rows, and a
+propose path that never reads a device value back to the host.
+
+References here are the draft itself run one sequence at a time (whose agreement with an independent
+transformers oracle ``tests/test_draft.py`` establishes) and transformers' own rotary code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+from torch.profiler import ProfilerActivity, profile
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from pipespec.engine.draft import DraftKVCache, Eagle3Draft, _apply_rotary, rotary_factors
+from pipespec.engine.testing import make_random_draft
+
+ATOL = 2e-5
+AUX = 32  # target hidden size; the draft's fc reads 3 x AUX features
+
+
+def _draft(seed: int = 0, **layer: Any) -> Eagle3Draft:
+    target = LlamaConfig(hidden_size=AUX, vocab_size=80, num_hidden_layers=6, rms_norm_eps=1e-5)
+    return make_random_draft(
+        target, num_aux=3, with_embedding=True, num_attention_heads=4, num_key_value_heads=2, draft_vocab_size=50,
+        seed=seed, max_position_embeddings=64, **layer,
+    ).eval()
+
+
+def _sequence(length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next_ids [1, length], aux features [1, length, 3*AUX]) of one sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 80, (1, length), generator=gen), torch.randn(1, length, 3 * AUX, generator=gen)
+
+
+def _pad_rows(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Stack ``[1, n_i, ...]`` pieces into ``[B, max n_i, ...]``, padding each row with its own first entry."""
+    width = max(p.shape[1] for p in pieces)
+    rows = [torch.cat([p] + [p[:, :1]] * (width - p.shape[1]), dim=1) for p in pieces]
+    return torch.cat(rows)
+
+
+def _filled_cache(draft: Eagle3Draft, counts: list[int], seed: int = 3, capacity: int = 256) -> DraftKVCache:
+    cache = draft.new_cache(len(counts), capacity=capacity)
+    gen = torch.Generator().manual_seed(seed)
+    width = max(counts)
+    ids = torch.randint(0, 80, (len(counts), width), generator=gen)
+    feats = torch.randn(len(counts), width, 3 * AUX, generator=gen)
+    draft.extend(feats, ids, cache, num_valid=counts)
+    return cache
+
+
+def _assert_row_matches(batched: DraftKVCache, row: int, single: DraftKVCache) -> None:
+    """Same length, and the same stored keys/values over that length."""
+    length = single.lengths.tolist()[0]
+    assert batched.lengths.tolist()[row] == length
+    assert torch.allclose(batched.key[row, :, :length], single.key[0, :, :length], atol=ATOL)
+    assert torch.allclose(batched.value[row, :, :length], single.value[0, :, :length], atol=ATOL)
+
+
+# ------------------------------------------------------------------------------------------ rows
+def test_select_copies_rows_in_order() -> None:
+    draft = _draft()
+    cache = _filled_cache(draft, [5, 2, 4], capacity=32)
+    picked = cache.select([2, 0, 2])
+    assert picked.lengths.tolist() == [4, 5, 4] and picked.host_lengths == (4, 5, 4)
+    assert picked.max_length == 5
+    assert (picked.capacity, picked.dtype, picked.device) == (cache.capacity, cache.dtype, cache.device)
+    assert torch.equal(picked.key, cache.key[[2, 0, 2]]) and torch.equal(picked.value, cache.value[[2, 0, 2]])
+    # A copy: writing the selection leaves the source alone.
+    before = cache.key.clone()
+    ids, feats = _sequence(3, seed=9)
+    draft.extend(feats.expand(3, -1, -1), ids.expand(3, -1), picked)
+    assert torch.equal(cache.key, before) and cache.lengths.tolist() == [5, 2, 4]
+    assert picked.lengths.tolist() == [7, 8, 7]
+
+
+@given(rows=st.lists(st.integers(0, 3), max_size=7))
+def test_select_agrees_with_indexing(rows: list[int]) -> None:
+    cache = DraftKVCache(4, 2, 4, capacity=6)
+    cache.key = torch.arange(cache.key.numel(), dtype=torch.float32).view_as(cache.key)
+    cache.crop([0, 0, 0, 0])
+    picked = cache.select(rows)
+    assert picked.batch_size == len(rows)
+    assert torch.equal(picked.key, cache.key[rows]) and picked.lengths.tolist() == [0] * len(rows)
+
+
+def test_select_rejects_rows_outside_the_cache_and_allows_none() -> None:
+    cache = _filled_cache(_draft(), [3, 1])
+    with pytest.raises(ValueError, match=r"select rows \[2\] are outside the cache's 2 rows"):
+        cache.select([0, 2])
+    with pytest.raises(ValueError, match=r"select rows \[-1\]"):
+        cache.select([-1])
+    empty = cache.select([])
+    assert empty.batch_size == 0 and empty.lengths.shape == (0,) and empty.max_length == 0
+    assert empty.capacity == cache.capacity
+    both = DraftKVCache.concat([empty, cache, empty])
+    assert both.lengths.tolist() == [3, 1] and torch.equal(both.key, cache.key)
+
+
+def test_concat_stacks_rows_and_pads_smaller_capacities() -> None:
+    draft = _draft()
+    small = _filled_cache(draft, [4], seed=1, capacity=6)
+    large = _filled_cache(draft, [2, 9], seed=2, capacity=20)
+    merged = DraftKVCache.concat([small, large])
+    assert merged.capacity == 20 and merged.batch_size == 3
+    assert merged.lengths.tolist() == [4, 2, 9] and merged.host_lengths == (4, 2, 9)
+    assert merged.max_length == max(small.max_length, large.max_length)
+    assert torch.equal(merged.key[:1, :, :6], small.key) and not merged.key[:1, :, 6:].any()
+    assert torch.equal(merged.value[1:], large.value)
+
+
+def test_concat_refuses_mismatched_caches() -> None:
+    base = DraftKVCache(1, 2, 8)
+    with pytest.raises(ValueError, match="at least one cache"):
+        DraftKVCache.concat([])
+    for other in (DraftKVCache(1, 4, 8), DraftKVCache(1, 2, 16), DraftKVCache(1, 2, 8, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="cannot concat draft caches: cache 1 has"):
+            DraftKVCache.concat([base, other])
+
+
+# ------------------------------------------------------------------------------------------ extend
+@pytest.mark.parametrize("split", [1, 4, 8])
+def test_extend_then_propose_matches_propose_on_the_whole_block(split: int) -> None:
+    """extend(first part) + propose(rest) drafts what propose(whole block) drafts, from the same state."""
+    draft = _draft(seed=4)
+    ids, feats = _sequence(9, seed=5)
+    whole, parts = draft.new_cache(1), draft.new_cache(1)
+    want = draft.propose(list(feats.split(AUX, dim=-1)), ids, whole, num_tokens=4)
+    draft.extend(list(feats[:, :split].split(AUX, dim=-1)), ids[:, :split], parts)
+    assert parts.lengths.tolist() == [split] and parts.max_length == split
+    got = draft.propose(feats[:, split:], ids[:, split:], parts, num_tokens=4)
+    assert torch.equal(got, want)
+    _assert_row_matches(parts, 0, whole)
+    # The states the next round builds on agree too: the pre-norm outputs of one more position.
+    more_ids, more_feats = _sequence(1, seed=6)
+    with torch.no_grad():
+        a = draft(more_ids, draft.combine_aux(more_feats), whole)
+        b = draft(more_ids, draft.combine_aux(more_feats), parts)
+    assert torch.allclose(a, b, atol=ATOL), (a - b).abs().max()
+
+
+def test_extend_rows_with_nothing_new_keep_their_cache() -> None:
+    draft = _draft(seed=7)
+    cache = _filled_cache(draft, [6, 3, 5])
+    untouched = cache.select([1])
+    keys = cache.key[1, :, :3].clone()
+    ids, feats = _sequence(2, seed=8)
+    draft.extend(feats.expand(3, -1, -1), ids.expand(3, -1), cache, num_valid=[2, 0, 1])
+    assert cache.lengths.tolist() == [8, 3, 6] and cache.host_lengths == (8, 3, 6)
+    assert torch.equal(cache.key[1, :, :3], keys)
+    # The junk written past row 1's length is never seen: it proposes as if the round never happened.
+    nxt_ids, nxt_feats = _sequence(2, seed=10)
+    got = draft.propose(nxt_feats.expand(3, -1, -1), nxt_ids.expand(3, -1), cache, num_tokens=3)
+    want = draft.propose(nxt_feats, nxt_ids, untouched, num_tokens=3)
+    assert torch.equal(got[1:2], want)
+    # Nothing at all to append is a no-op.
+    before = (cache.lengths.tolist(), cache.max_length)
+    draft.extend(feats[:, :0].expand(3, -1, -1), ids[:, :0].expand(3, -1), cache)
+    assert (cache.lengths.tolist(), cache.max_length) == before
+
+
+# ------------------------------------------------------------------------------------------ batched vs single
+def test_batched_rows_match_single_row_caches() -> None:
+    """Three sequences of different lengths: B=1 caches vs one concat-ed B=3 cache with ragged counts,
+    then a select([0, 2]) of it; counts given as host integers and as a tensor."""
+    draft = _draft(seed=11)
+    k = 3
+    prompts = [_sequence(n, seed=20 + n) for n in (7, 3, 5)]
+    singles = [draft.new_cache(1) for _ in prompts]
+    rows = [draft.new_cache(1, capacity=cap) for cap in (4, 16, 64)]  # growth, then padding in concat
+    for (ids, feats), single, row in zip(prompts, singles, rows, strict=True):
+        want = draft.propose(feats, ids, single, num_tokens=k)
+        assert torch.equal(draft.propose(feats, ids, row, num_tokens=k), want)
+    batched = DraftKVCache.concat(rows)
+    assert batched.lengths.tolist() == [7, 3, 5]
+
+    def round_(cache: DraftKVCache, members: list[int], counts: list[int], seed: int, as_tensor: bool) -> None:
+        pieces = [_sequence(n, seed=seed + m) for m, n in zip(members, counts, strict=True)]
+        want = [draft.propose(f, i, singles[m], num_tokens=k) for m, (i, f) in zip(members, pieces, strict=True)]
+        num_valid: Any = torch.tensor(counts) if as_tensor else counts
+        got = draft.propose(_pad_rows([f for _, f in pieces]), _pad_rows([i for i, _ in pieces]), cache,
+                            num_tokens=k, num_valid=num_valid)
+        assert torch.equal(got, torch.cat(want)), (got, want)
+        for row, m in enumerate(members):
+            _assert_row_matches(cache, row, singles[m])
+
+    round_(batched, [0, 1, 2], [3, 1, 2], seed=100, as_tensor=False)
+    round_(batched, [0, 1, 2], [1, 4, 4], seed=200, as_tensor=True)
+    assert batched.max_length == max(batched.lengths.tolist())  # host counts keep it exact: no drift
+    kept = batched.select([0, 2])
+    round_(kept, [0, 2], [2, 4], seed=300, as_tensor=False)
+    round_(kept, [0, 2], [4, 1], seed=400, as_tensor=False)
+
+
+# ------------------------------------------------------------------------------------------ lengths bookkeeping
+def test_host_lengths_track_device_lengths() -> None:
+    draft = _draft()
+    cache = _filled_cache(draft, [4, 1, 3])
+    ids, feats = _sequence(2, seed=1)
+    for counts in ([2, 1, 0], [1, 2, 2]):
+        draft.extend(feats.expand(3, -1, -1), ids.expand(3, -1), cache, num_valid=counts)
+        assert list(cache.host_lengths or ()) == cache.lengths.tolist()
+        assert cache.max_length == max(cache.lengths.tolist())
+    cache.crop([2, 1, 3])
+    assert cache.lengths.tolist() == [2, 1, 3] and cache.max_length == 3 and cache.host_lengths == (2, 1, 3)
+    cache.lengths = torch.tensor([2, 1, 2])  # set from outside: the host copy is dropped, crop still validates
+    assert cache.host_lengths is None
+    with pytest.raises(ValueError, match=r"crop to \[3, 1, 2\] is outside the cached lengths \[2, 1, 2\]"):
+        cache.crop([3, 1, 2])
+    cache.crop(torch.tensor([1, 0, 2]))
+    assert cache.host_lengths == (1, 0, 2) and cache.max_length == 2
+
+
+def test_counts_given_as_integers_are_checked() -> None:
+    draft = _draft()
+    cache = draft.new_cache(2)
+    ids, feats = _sequence(3, seed=2)
+    ids2, feats2 = ids.expand(2, -1), feats.expand(2, -1, -1)
+    with pytest.raises(ValueError, match=r"num_valid \[0, 2\] must lie in \[1, 3\]"):
+        draft.propose(feats2, ids2, cache, num_tokens=2, num_valid=[0, 2])
+    with pytest.raises(ValueError, match=r"num_valid \[4, 2\] must lie in \[0, 3\]"):
+        draft.extend(feats2, ids2, cache, num_valid=[4, 2])
+    with pytest.raises(ValueError, match="num_valid has 1 entries, expected 2"):
+        draft.extend(feats2, ids2, cache, num_valid=[1])
+    with pytest.raises(ValueError, match="next_ids has shape"):
+        draft.propose(feats, ids, cache, num_tokens=2)
+    with pytest.raises(ValueError, match="aux states cover"):
+        draft.propose(feats2[:, :2], ids2, cache, num_tokens=2)
+    with pytest.raises(ValueError, match="use extend"):
+        draft.propose(feats2[:, :0], ids2[:, :0], cache, num_tokens=2)
+    assert cache.lengths.tolist() == [0, 0] and cache.max_length == 0
+
+
+# ------------------------------------------------------------------------------------------ no host syncs
+class _HostReads(TorchFunctionMode):
+    """Records every tensor method call that hands a value to Python."""
+
+    NAMES = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in self.NAMES:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _watch() -> Iterator[tuple[_HostReads, list[str]]]:
+    ops: list[str] = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof, _HostReads() as reads:
+        yield reads, ops
+    ops.extend(e.name for e in prof.events())
+
+
+SYNC_OPS = {"aten::item", "aten::_local_scalar_dense", "aten::is_nonzero"}
+
+
+@pytest.mark.parametrize(("bsz", "steps", "ragged"), [(1, 1, False), (8, 4, True), (8, 4, False)])
+def test_propose_and_extend_read_nothing_back(bsz: int, steps: int, ragged: bool) -> None:
+    draft = _draft(seed=2)
+    cache = _filled_cache(draft, [5 + b % 3 for b in range(bsz)])
+    gen = torch.Generator().manual_seed(bsz)
+    ids, feats = torch.randint(0, 80, (bsz, steps), generator=gen), torch.randn(bsz, steps, 3 * AUX, generator=gen)
+    counts = [1 + b % steps for b in range(bsz)] if ragged else None
+    with _watch() as (reads, ops):
+        drafts = draft.propose(list(feats.split(AUX, dim=-1)), ids, cache, num_tokens=3, num_valid=counts)
+        draft.extend(feats, ids, cache, num_valid=counts)
+    assert drafts.shape == (bsz, 3)
+    assert "aten::scaled_dot_product_attention" in ops, "the profiler saw the propose path"
+    assert not SYNC_OPS & set(ops), sorted(SYNC_OPS & set(ops))
+    assert reads.seen == []
+
+
+def test_propose_runs_on_a_device_without_host_values() -> None:
+    """On the meta device any host read of a value, or a CPU tensor mixed into the device path, raises."""
+    draft = _draft(seed=3).to("meta")
+    meta = torch.device("meta")
+    cache = draft.new_cache(3, capacity=4)
+    ids = torch.zeros(3, 5, dtype=torch.long, device=meta)
+    feats = torch.zeros(3, 5, 3 * AUX, device=meta)
+    draft.extend(feats, ids, cache, num_valid=[5, 2, 0])
+    assert cache.host_lengths == (5, 2, 0) and cache.max_length == 5
+    out = draft.propose(feats, ids, cache, num_tokens=4, num_valid=[1, 5, 3])
+    assert out.shape == (3, 4) and out.device == meta and cache.capacity >= 13
+    # Lengths are now (6, 7, 3); one real position of two per row, counted on the device: the host
+    # bound becomes 7 + 2 although the longest row holds 8.
+    out = draft.propose(feats[:, :2], ids[:, :2], cache, num_tokens=2,
+                        num_valid=torch.ones(3, dtype=torch.long, device=meta))
+    assert out.shape == (3, 2)
+    assert cache.host_lengths is None and cache.max_length == 9
+    merged = DraftKVCache.concat([cache.select([2]), cache.select([0, 1])])
+    assert merged.lengths.shape == (3,) and merged.device == meta
+
+
+# ------------------------------------------------------------------------------------------ rotary
+ROPES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "llama3": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 5e5}},
+    "yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                              "rope_theta": 1e4}},
+    "dynamic": {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_is_transformers_bit_for_bit(rope: str, dtype: torch.dtype) -> None:
+    draft = _draft(**ROPES[rope]).to(dtype)
+    reference = LlamaRotaryEmbedding(draft.config.layer)
+    if rope == "yarn":
+        assert reference.attention_scaling != 1.0, "yarn should exercise the attention scaling"
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 60, (3, 5), generator=gen)
+    like = torch.zeros(3, 5, 8, dtype=dtype)
+    cos, sin = draft.rotary(like, positions)
+    want_cos, want_sin = reference(like, positions)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    q = torch.randn(3, 4, 5, draft.config.head_dim, generator=gen).to(dtype)
+    k = torch.randn(3, 2, 5, draft.config.head_dim, generator=gen).to(dtype)
+    want_q, want_k = apply_rotary_pos_emb(q, k, want_cos, want_sin)
+    cos_f, sin_f = rotary_factors(cos, sin)
+    got_q = _apply_rotary(q.transpose(1, 2), cos_f, sin_f).transpose(1, 2)
+    got_k = _apply_rotary(k.transpose(1, 2), cos_f, sin_f).transpose(1, 2)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
