@@ -70,7 +70,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def generate(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
     """Run the real CLI (it starts the stage processes) and parse its JSON."""
     capsys.readouterr()
-    code = main(["generate", *args, "--json", "--trace", "--timeout", "60"])
+    code = main(["generate", *args, "--json", "--trace", "--spec-policy", "always", "--timeout", "60"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     return json.loads(captured.out)

@@ -235,7 +235,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _generate(capsys: pytest.CaptureFixture[str], model: dict[str, Path], prompts: str, *extra: str) -> dict[str, Any]:
     capsys.readouterr()
     code = main(["generate", "--target", str(model["target"]), "--draft", str(model["draft"]), "--prompts-file",
-                 str(model[prompts]), "--num-spec-tokens", "3", "--json", "--trace", "--timeout", "60", *extra])
+                 str(model[prompts]), "--num-spec-tokens", "3", "--json", "--trace", "--spec-policy", "always", "--timeout", "60", *extra])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     return json.loads(captured.out)

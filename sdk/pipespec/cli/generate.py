@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --aux-transport overlap: use it for forwards of at least T tokens (default 64)")
     parser.add_argument("--num-spec-tokens", type=non_negative_int, default=3, metavar="K",
                         help="draft tokens verified per step (default 3; 0 = plain pipeline decoding)")
+    parser.add_argument("--spec-policy", choices=("adaptive", "always"), default="adaptive",
+                        help="adaptive: measure tokens/s with and without drafts and fall back to plain decoding "
+                             "while that is faster (default); always: speculate every step (deterministic steps)")
     parser.add_argument("--aux-convention", choices=("input", "output"),
                         help="how to read the draft's aux ids (default: Format A output, Format B input)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per stage)")
@@ -82,7 +85,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
         requests=requests, num_spec_tokens=args.num_spec_tokens, aux_convention=args.aux_convention,
         device=args.device, dtype=args.dtype, timeout_s=args.timeout, verbose=args.verbose, ignore_eos=args.ignore_eos,
         trace=args.trace, load_timeout_s=args.load_timeout, micro_batches=args.micro_batches, max_num_seqs=args.max_num_seqs,
-        aux_transport=args.aux_transport, overlap_min_tokens=args.overlap_min_tokens,
+        aux_transport=args.aux_transport, overlap_min_tokens=args.overlap_min_tokens, spec_policy=args.spec_policy,
     )
 
 

@@ -56,6 +56,9 @@ class GenerateJob:
     # see pipespec.pp.overlap and docs/benchmarks.md (P1) for the trade-off.
     aux_transport: str = "relay"
     overlap_min_tokens: int = 64
+    # Speculate every round ("always") or measure and fall back to plain decoding while it is faster
+    # ("adaptive"); see pipespec.engine.spec_policy.
+    spec_policy: str = "adaptive"
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -17,7 +17,9 @@ fixed size ``3 + S·(6 + 2k)`` for ``S`` slots per micro-batch and ``k`` specula
 * ``tokens`` — the ``a + 1`` tokens the round produced (the accepted drafts, then the target's bonus
   token; at prefill only the first sampled token), padded with -1;
 * ``kept`` — how many of them count as output (fewer when EOS or ``max_new_tokens`` cut them);
-* ``drafts`` — the draft's next k proposals (-1 when finished or k = 0).
+* ``drafts`` — the draft's next proposals: k of them, or none (all -1) when the sequence finished,
+  k = 0, or the last stage chose not to speculate for the next round (``pipespec.engine.spec_policy``);
+  the next forward of that sequence is then just its pending token.
 
 Every stage updates its own copy of each sequence's state from this message: the committed length of
 its KV cache (``+ a + 1`` per verify round, after cropping the rejected positions), the pending token
@@ -69,7 +71,7 @@ def encode(round_: int, micro_batch: int, updates: Sequence[SeqUpdate], k: int) 
     out[0], out[1], out[2] = round_, micro_batch, len(updates)
     for i, u in enumerate(updates):
         base = HEADER + i * stride
-        if len(u.tokens) > k + 1 or (u.drafts and len(u.drafts) != k):
+        if len(u.tokens) > k + 1 or len(u.drafts) > k:
             raise ValueError(f"slot {i}: {len(u.tokens)} tokens / {len(u.drafts)} drafts do not fit k={k}")
         out[base] = u.request
         out[base + 1] = u.generation
@@ -79,7 +81,7 @@ def encode(round_: int, micro_batch: int, updates: Sequence[SeqUpdate], k: int) 
         if u.tokens:
             out[base + 5 : base + 5 + len(u.tokens)] = torch.tensor(u.tokens, dtype=torch.int64)
         if u.drafts:
-            out[base + 6 + k : base + 6 + 2 * k] = torch.tensor(u.drafts, dtype=torch.int64)
+            out[base + 6 + k : base + 6 + k + len(u.drafts)] = torch.tensor(u.drafts, dtype=torch.int64)
     return out
 
 
@@ -99,7 +101,7 @@ def decode(message: torch.Tensor, expected_round: int, expected_micro_batch: int
         ran = bool(flags & RAN)
         n_tokens = accepted + 1 if ran else 0
         tokens = values[base + 5 : base + 5 + n_tokens]
-        drafts = values[base + 6 + k : base + 6 + 2 * k]
+        drafts = [d for d in values[base + 6 + k : base + 6 + 2 * k] if d >= 0]
         updates.append(SeqUpdate(
             ran=ran, done=bool(flags & DONE), accepted=accepted, tokens=tokens, kept=kept,
             drafts=drafts if ran and not flags & DONE and k > 0 else [], request=request, generation=generation,

@@ -5,29 +5,36 @@ Every stage runs the same schedule over the same replicated state (``pipespec.en
 only the last stage decides anything, and its per-round message keeps the copies equal.
 
 Sequences are grouped into M micro-batches that take turns (round-robin). A *round* of a micro-batch
-runs one target forward for each of its sequences, one sequence after the other through the
-pipeline:
+runs its sequences as the rows of batched forwards (``pipespec.engine.row_batch``): one forward for
+the sequences already running (verify), one for the sequences admitted this turn (prefill); each
+goes through the whole pipeline, every stage handing its packed ``IntermediateTensors`` to the next.
+A stage whose layers cannot hold rows with holes (sliding-window, linear-attention or convolution
+layers) runs one forward per sequence instead.
 
-Prefill (a sequence's first forward): stage 0 embeds the prompt ``x_0..x_{n-1}`` and runs its layers,
-each stage hands its packed ``IntermediateTensors`` to the next, and the last stage takes the greedy
-token ``x_n`` from the final logits; the draft reads the aux states of all ``n`` positions paired with
-``x_1..x_n`` and proposes ``d_1..d_k``.
+Prefill (a sequence's first forward): stage 0 embeds the prompt ``x_0..x_{n-1}`` and runs its layers;
+the last stage takes the greedy token ``x_n`` from the final logits; the draft reads the aux states of
+all ``n`` positions paired with ``x_1..x_n`` and proposes ``d_1..d_k``. Prompts of a batch are padded
+to the longest; padding is masked.
 
 Verify (every later forward): for a sequence with ``c`` tokens committed to its KV cache, the pipeline
-runs ``[x_n, d_1..d_k]`` at positions ``c..c+k``; the last stage's greedy predictions ``y_0..y_k``
-accept the longest prefix with ``d_j == y_{j-1}`` (``a`` drafts) plus the bonus token ``y_a``; the draft
-reads the aux states of those ``a + 1`` positions paired with ``d_1..d_a, y_a`` and proposes the next k.
+runs ``[x_n, d_1..d_j]`` at positions ``c..c+j`` (``j = k``, or 0 when the last stage chose plain
+decoding for the round: ``pipespec.engine.spec_policy``); the last stage's greedy predictions
+``y_0..y_j`` accept the longest prefix with ``d_i == y_{i-1}`` (``a`` drafts) plus the bonus token
+``y_a``; the draft reads the aux states of those ``a + 1`` positions paired with ``d_1..d_a, y_a`` and
+proposes the next k (or, not speculating, only stores them so it can resume with full context).
 
 After the round, the last stage publishes one message for the micro-batch (``pipespec.engine.step``:
 per slot ``a``, the tokens, the drafts) without waiting for anyone, and goes on with the next
 micro-batch; every other stage has posted the receive for it and reads it only when that
-micro-batch's turn comes again (M turns later). Then every stage crops each sequence's KV cache to
-``c + a + 1`` (dropping the rejected positions) and updates its copy of the state. With M = 1 every
-round waits for the previous round's message: the pipeline drains each step.
+micro-batch's turn comes again (M turns later). Then every stage marks each row's rejected positions
+as holes in its batched KV cache (``RowBatch.resolve``: crops what every row rejected, compacts when
+holes pile up), drops finished and cancelled rows, merges the new rows in, and updates its copy of
+the state. With M = 1 every round waits for the previous round's message: the pipeline drains each
+step.
 
-``k = 0`` is plain pipeline-parallel decoding: one token per round, no draft. Every sequence has its
-own KV caches, so sequences accept different numbers of drafts without padding, finish at different
-rounds, and leave their slot to a waiting request (``--max-num-seqs``) or to nobody.
+``k = 0`` is plain pipeline-parallel decoding: one token per round, no draft. Sequences accept
+different numbers of drafts (their rows keep different counts), finish at different rounds, and leave
+their slot to a waiting request (``--max-num-seqs``) or to nobody.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ from pipespec.embed import spec_decode_needs_target_embed
 from pipespec.engine import step as stepmsg
 from pipespec.engine.job import GenerateJob, Request
 from pipespec.engine.microbatch import Scheduler, default_micro_batches
+from pipespec.engine.row_batch import RowBatch, batchable
+from pipespec.engine.spec_policy import SpecPolicy
 from pipespec.engine.target import TargetStage, build_target_stage, resolve_target
 from pipespec.errors import UsageError
 from pipespec.pp.launch import StageContext
@@ -63,9 +72,8 @@ class SeqState:
     finish_reason: str | None = None  # "stop" (EOS), "length" (max_new_tokens) or "cancelled"
     output: list[int] = field(default_factory=list)
     acceptance: list[int] = field(default_factory=list)
-    trace: list[list[int]] = field(default_factory=list)  # the drafts each verify step checked
-    cache: Any = None
-    draft_cache: Any = None
+    trace: list[list[int]] = field(default_factory=list)  # the drafts each speculative verify step checked
+    plain_steps: int = 0  # verify steps without drafts (the speculation policy chose plain decoding)
 
 
 THREADS_ENV = "PIPESPEC_THREADS"
@@ -91,6 +99,21 @@ def stage_threads(world_size: int) -> int:
             raise UsageError(f"{name}={threads} must be >= 1")
         return threads
     return max(1, (os.cpu_count() or 1) // world_size)
+
+
+CUDNN_SDP_ENV = "PIPESPEC_CUDNN_SDP"
+
+
+def configure_cuda_attention() -> None:
+    """Leave cuDNN out of ``scaled_dot_product_attention`` on CUDA (``$PIPESPEC_CUDNN_SDP=1`` keeps it).
+
+    Decoding changes the key length every step. Recent torch releases prefer the cuDNN attention
+    backend on Hopper GPUs, and cuDNN builds an execution plan for every new shape: tens of
+    milliseconds per attention call, every step, for target and draft alike. The flash and
+    memory-efficient kernels handle any length without a plan.
+    """
+    if os.environ.get(CUDNN_SDP_ENV, "").strip() not in ("1", "true", "yes"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def eos_token_ids(target_dir: str, config: Any) -> frozenset[int]:
@@ -119,44 +142,56 @@ class StageRunner:
         self.scheduler = Scheduler(
             len(self.seqs), micro_batches, max_num_seqs=job.max_num_seqs, cancel_after=[r.cancel_after for r in job.requests]
         )
+        self.slots = self.scheduler.slots_per_micro_batch
+        # Several sequences per forward (rows with holes) where the stage's cache allows it; else one
+        # forward per sequence (sliding-window / hybrid layers: pipespec.engine.row_batch).
+        self.batched = batchable(target.resolved.config)
+        rows = self.slots if self.batched else 1
         longest = max(len(r.prompt_ids) for r in job.requests)
         max_tokens = max(longest, self.k + 1)
         hidden, dtype = target.hidden_size, target.dtype
         # Two send buffers: a stage computes its next forward while the previous one's output travels.
         self.sender = (
-            HopSender(ctx, target.send_keys(), hidden, dtype, ctx.rank + 1, (1, max_tokens), depth=2)
+            HopSender(ctx, target.send_keys(), hidden, dtype, ctx.rank + 1, (rows, max_tokens), depth=2)
             if not ctx.is_last else None
         )
         self.receiver = (
-            HopReceiver(ctx, target.receive_keys(), hidden, dtype, ctx.rank - 1, (1, max_tokens)) if not ctx.is_first else None
+            HopReceiver(ctx, target.receive_keys(), hidden, dtype, ctx.rank - 1, (rows, max_tokens)) if not ctx.is_first else None
         )
         # Optional overlap transport for large (prefill-sized) forwards; both ends pick it by the token
         # count of the forward, which every stage knows, so no mode flag travels.
         self.overlap = (
             OverlapTransport(ctx, target.plan, hidden, dtype, has_residual=target.has_residual,
-                             max_leading_shape=(1, max_tokens))
+                             max_leading_shape=(rows, max_tokens))
             if job.aux_transport == "overlap" and ctx.world_size > 1 and target.plan.aux_layers else None
         )
-        self.slots = self.scheduler.slots_per_micro_batch
         self.channel = StepChannel(ctx, stepmsg.message_size(self.slots, self.k), micro_batches)
+        # The batched KV state of each micro-batch's running sequences (one RowBatch when batched).
+        self.batches: list[list[RowBatch]] = [[] for _ in range(micro_batches)]
+        self.policy = SpecPolicy(job.spec_policy) if ctx.is_last and self.k else None
         self.step = 0  # rounds launched, all micro-batches together
+        self.forwards = 0  # target forwards run by this stage
         self.elapsed = 0.0
 
     # ------------------------------------------------------------------------------ one forward
-    def _forward(self, seq: SeqState, tokens: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        device = self.ctx.device
-        positions = torch.arange(seq.committed, seq.committed + len(tokens), device=device).unsqueeze(0)
-        overlap = self.overlap if self.overlap is not None and len(tokens) >= self.job.overlap_min_tokens else None
+    def _forward(
+        self, batch: RowBatch, tokens: list[list[int]], committed: list[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """This stage's share of one forward of ``batch``: row ``b`` runs ``tokens[b]`` after its
+        ``committed[b]`` cached tokens. The last stage gets ``(logits, aux)``, the others ``None``."""
+        ids, positions, mask, steps = batch.inputs(tokens, committed)
+        shape = (batch.size, steps)
+        self.forwards += 1
+        overlap = self.overlap if self.overlap is not None and batch.size * steps >= self.job.overlap_min_tokens else None
         if overlap is not None and not self.ctx.is_last:
             overlap.attach(self.target.decoder)
         try:
             if self.ctx.is_first:
-                ids = torch.tensor([tokens], dtype=torch.long, device=device)
-                out = self.target.forward(seq.cache, positions, input_ids=ids)
+                out = self.target.forward(batch.cache, positions, input_ids=ids, attention_mask=mask)
             else:
                 assert self.receiver is not None
-                received = overlap.recv((1, len(tokens))) if overlap else self.receiver.recv((1, len(tokens)))
-                out = self.target.forward(seq.cache, positions, received=received)
+                received = overlap.recv(shape) if overlap else self.receiver.recv(shape)
+                out = self.target.forward(batch.cache, positions, received=received, attention_mask=mask)
             if self.sender is not None:
                 assert not isinstance(out, tuple)
                 (overlap or self.sender).send(out)
@@ -176,45 +211,68 @@ class StageRunner:
                 return i + 1, True
         return kept, len(seq.output) + kept >= seq.request.max_new_tokens
 
-    def _propose(self, seq: SeqState, aux: list[torch.Tensor], next_ids: list[int]) -> list[int]:
-        ids = torch.tensor([next_ids], dtype=torch.long, device=self.ctx.device)
-        drafts = self.draft.propose(aux, ids, seq.draft_cache, num_tokens=self.k)
-        return [int(t) for t in drafts[0].tolist()]
+    def _draft(self, batch: RowBatch, aux: list[torch.Tensor], next_ids: list[list[int]], speculate: bool) -> list[list[int]]:
+        """Feed the draft the verified positions of every row (``next_ids[b]``: the tokens that follow
+        them, ``aux`` their aux states, padded) and, when speculating, return k drafts per row."""
+        width = max(len(n) for n in next_ids)
+        ids = torch.zeros(batch.size, width, dtype=torch.long)
+        for b, row in enumerate(next_ids):
+            ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        ragged = any(len(n) != width for n in next_ids)
+        valid = [len(n) for n in next_ids] if ragged else None  # host ints: the draft cache keeps exact lengths
+        aux = [a[:, :width] for a in aux]
+        ids = ids.to(self.ctx.device, non_blocking=True)
+        if not speculate:
+            self.draft.extend(aux, ids, batch.draft_cache, num_valid=valid)
+            return [[] for _ in next_ids]
+        return self.draft.propose(aux, ids, batch.draft_cache, num_tokens=self.k, num_valid=valid).tolist()
 
-    # ------------------------------------------------------------------------------ one sequence
-    def _prefill_one(self, seq: SeqState) -> stepmsg.SeqUpdate | None:
-        prompt = list(seq.request.prompt_ids)
-        out = self._forward(seq, prompt)
+    # ------------------------------------------------------------------------------ one round
+    def _prefill(self, rows: list[int], speculate: bool) -> tuple[RowBatch, list[stepmsg.SeqUpdate] | None]:
+        """Prefill newly admitted sequences as one batch (right-padded prompts): the new batch, and
+        their updates on the last stage."""
+        batch = RowBatch(self.target.new_cache(), rows, self.ctx.device)
+        prompts = [list(self.seqs[r].request.prompt_ids) for r in rows]
+        out = self._forward(batch, prompts, [0] * len(rows))
+        if out is None:
+            return batch, None
+        logits, aux = out
+        last = torch.tensor([len(p) - 1 for p in prompts], device=logits.device)
+        firsts = logits[torch.arange(len(rows), device=logits.device), last].argmax(dim=-1).tolist()
+        updates = []
+        for r, first in zip(rows, firsts):
+            kept, done = self._cut(self.seqs[r], [first])
+            updates.append(stepmsg.SeqUpdate(ran=True, done=done, accepted=0, tokens=[first], kept=kept))
+        if self.k:
+            capacity = max(len(p) + self.seqs[r].request.max_new_tokens for p, r in zip(prompts, rows)) + self.k + 1
+            batch.draft_cache = self.draft.new_cache(len(rows), capacity=capacity)
+            drafts = self._draft(batch, aux, [p[1:] + [f] for p, f in zip(prompts, firsts)], speculate)
+            for u, d in zip(updates, drafts):
+                u.drafts = d if not u.done else []
+        return batch, updates
+
+    def _verify(self, batch: RowBatch, speculate: bool) -> list[stepmsg.SeqUpdate] | None:
+        """One verify forward of the running sequences of ``batch``: ``[pending, *drafts]`` per row."""
+        seqs = [self.seqs[r] for r in batch.rows]
+        out = self._forward(batch, [[s.pending, *s.drafts] for s in seqs], [s.committed for s in seqs])
         if out is None:
             return None
         logits, aux = out
-        first = int(logits[0, -1].argmax())
-        kept, done = self._cut(seq, [first])
-        drafts = self._propose(seq, aux, prompt[1:] + [first]) if self.k and not done else []
-        return stepmsg.SeqUpdate(ran=True, done=done, accepted=0, tokens=[first], kept=kept, drafts=drafts)
-
-    def _verify_one(self, seq: SeqState) -> stepmsg.SeqUpdate | None:
-        out = self._forward(seq, [seq.pending, *seq.drafts])
-        if out is None:
-            return None
-        logits, aux = out
-        predicted = logits[0].argmax(dim=-1).tolist()
-        accepted = 0
-        while accepted < self.k and seq.drafts[accepted] == predicted[accepted]:
-            accepted += 1
-        produced = seq.drafts[:accepted] + [int(predicted[accepted])]
-        kept, done = self._cut(seq, produced)
-        drafts = []
-        if self.k and not done:
-            drafts = self._propose(seq, [a[:, : accepted + 1] for a in aux], produced)
-        return stepmsg.SeqUpdate(ran=True, done=done, accepted=accepted, tokens=produced, kept=kept, drafts=drafts)
-
-    def _start(self, seq: SeqState) -> None:
-        """Fresh KV caches for a sequence about to be prefilled."""
-        seq.cache = self.target.new_cache()
-        if self.ctx.is_last and self.k:
-            capacity = len(seq.request.prompt_ids) + seq.request.max_new_tokens + self.k + 1
-            seq.draft_cache = self.draft.new_cache(1, capacity=capacity)
+        predicted = logits.argmax(dim=-1).tolist()
+        updates, produced_rows = [], []
+        for seq, pred in zip(seqs, predicted):
+            accepted = 0
+            while accepted < len(seq.drafts) and seq.drafts[accepted] == pred[accepted]:
+                accepted += 1
+            produced = seq.drafts[:accepted] + [int(pred[accepted])]
+            kept, done = self._cut(seq, produced)
+            updates.append(stepmsg.SeqUpdate(ran=True, done=done, accepted=accepted, tokens=produced, kept=kept))
+            produced_rows.append(produced)
+        if self.k:
+            drafts = self._draft(batch, aux, produced_rows, speculate)
+            for u, d in zip(updates, drafts):
+                u.drafts = d if not u.done else []
+        return updates
 
     def _apply(self, seq: SeqState, u: stepmsg.SeqUpdate) -> None:
         prefill = seq.committed == 0
@@ -222,20 +280,34 @@ class StageRunner:
             seq.committed = len(seq.request.prompt_ids)
         else:
             seq.committed += u.accepted + 1
-            seq.acceptance.append(u.accepted + 1)
-            if self.job.trace:  # only kept when asked for: it grows with every step
-                seq.trace.append(list(seq.drafts))
+            if seq.drafts or not self.k:
+                seq.acceptance.append(u.accepted + 1)
+                if self.job.trace:  # only kept when asked for: it grows with every step
+                    seq.trace.append(list(seq.drafts))
+            else:
+                seq.plain_steps += 1
         seq.output.extend(u.tokens[: u.kept])
         seq.pending = u.tokens[-1]
         seq.drafts = list(u.drafts)
         if u.done:
             self._end(seq, "stop" if seq.output and seq.output[-1] in self.eos else "length")
-        elif not prefill:
-            seq.cache.crop(seq.committed)
 
     def _end(self, seq: SeqState, reason: str) -> None:
         seq.done, seq.finish_reason = True, reason
-        seq.cache = seq.draft_cache = None  # free the KV memory at once
+
+    def _settle(self, index: int) -> None:
+        """After a micro-batch's message: close each batch's forward with the committed lengths, drop
+        finished and cancelled rows (their KV memory goes at once), merge what is left into one batch."""
+        batches = []
+        for batch in self.batches[index]:
+            if batch.open:
+                batch.resolve([self.seqs[r].committed for r in batch.rows])
+            batch.drop({r for r in batch.rows if self.seqs[r].done})
+            if batch.size:
+                batches.append(batch)
+        if self.batched and len(batches) > 1:
+            batches = [RowBatch.merge(batches)]
+        self.batches[index] = batches
 
     # ------------------------------------------------------------------------------ the schedule
     def _turn(self) -> bool:
@@ -247,23 +319,39 @@ class StageRunner:
             updates = stepmsg.decode(message, mb.rounds - 1, mb.index, self.slots, self.k)
             for request, update in sched.consume(mb, updates):
                 self._apply(self.seqs[request], update)
+            self._settle(mb.index)
         sched.admit(mb)
         launches = sched.launch(mb)
         if not launches:
             return False
-        updates = [stepmsg.SeqUpdate() for _ in range(self.slots)]
-        for launch in launches:
-            seq = self.seqs[launch.request]
-            if seq.committed == 0:
-                self._start(seq)
-                update = self._prefill_one(seq)
-            else:
-                update = self._verify_one(seq)
-            if update is not None:
+        batches = self.batches[mb.index]
+        running = sorted(r for b in batches for r in b.rows)
+        new = [launch.request for launch in launches if self.seqs[launch.request].committed == 0]
+        if running != sorted(set(launch.request for launch in launches) - set(new)):
+            raise RuntimeError(f"micro-batch {mb.index}: the running rows {running} are not the launched verify steps")
+        speculate = self.policy.speculate() if self.policy is not None else False
+        by_request: dict[int, stepmsg.SeqUpdate] = {}
+        speculated = False
+        for batch in batches:
+            speculated = speculated or any(self.seqs[r].drafts for r in batch.rows)
+            result = self._verify(batch, speculate)
+            if result is not None:
+                by_request.update(zip(batch.rows, result))
+        for rows in ([new] if self.batched else [[r] for r in new]) if new else []:
+            batch, result = self._prefill(rows, speculate)
+            if result is not None:
+                by_request.update(zip(rows, result))
+            batches.append(batch)
+        if self.ctx.is_last:
+            updates = [stepmsg.SeqUpdate() for _ in range(self.slots)]
+            for launch in launches:
+                update = by_request[launch.request]
                 update.request, update.generation = launch.request, launch.generation
                 updates[launch.slot] = update
-        if self.ctx.is_last:
             self.channel.publish(mb.index, stepmsg.encode(mb.rounds - 1, mb.index, updates, self.k))
+            if self.policy is not None:
+                tokens = sum(u.accepted + 1 for r, u in by_request.items() if r not in new)
+                self.policy.record(speculated, tokens, time.perf_counter(), prefill=bool(new))
         else:
             self.channel.expect(mb.index)
         for request in sched.cancel_due(mb, launches):
@@ -278,25 +366,25 @@ class StageRunner:
                 return
 
     def warmup(self) -> float:
-        """One throwaway prefill + verify forward (and draft proposals) through the whole pipeline.
+        """One throwaway prefill + verify forward (and draft proposals) through the whole pipeline, at
+        the batch size the rounds will have.
 
         A fresh process pays lazy CUDA/cuBLAS initialisation and kernel loading on the first forward of
         each shape; without a warm-up that cost lands in ``tokens_per_s``. Every stage runs the same
         two forwards on a throwaway cache (the hop shapes are known), so no message is needed.
         """
         started = time.perf_counter()
-        seq = SeqState(Request((0, 0), 1))
+        rows = min(self.slots, self.scheduler.capacity) if self.batched else 1
+        batch = RowBatch(self.target.new_cache(), list(range(-rows, 0)), self.ctx.device)
         with torch.inference_mode():
-            seq.cache = self.target.new_cache()
-            if self.ctx.is_last and self.k:
-                seq.draft_cache = self.draft.new_cache(1, capacity=2 * self.k + 4)
-            out = self._forward(seq, [0, 0])
+            out = self._forward(batch, [[0, 0]] * rows, [0] * rows)
             if out is not None and self.k:
-                self._propose(seq, out[1], [0, 0])
-            seq.committed = 2
-            out = self._forward(seq, [0] * (self.k + 1))
+                batch.draft_cache = self.draft.new_cache(rows, capacity=2 * self.k + 4)
+                self._draft(batch, out[1], [[0, 0]] * rows, True)
+            batch.resolve([2] * rows)
+            out = self._forward(batch, [[0] * (self.k + 1)] * rows, [2] * rows)
             if out is not None and self.k:
-                self._propose(seq, [a[:, :1] for a in out[1]], [0])
+                self._draft(batch, out[1], [[0]] * rows, True)
             if self.sender is not None:
                 self.sender.flush()
         if self.ctx.device.type == "cuda":
@@ -326,6 +414,8 @@ class StageRunner:
             "overlap_messages_sent": self.overlap.messages if self.overlap else 0,
             "bytes_sent": self.sender.bytes_sent if self.sender else 0,
             "rounds": self.step,
+            "forwards": self.forwards,
+            "batched": self.batched,
             "decode_s": round(self.elapsed, 4),
             "hop_recv_wait_s": round(self.receiver.waited_s, 4) if self.receiver else 0.0,
             "hop_send_wait_s": round(self.sender.waited_s, 4) if self.sender else 0.0,
@@ -399,6 +489,8 @@ def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
         raise UsageError(f"--pp {job.pp} does not match the {ctx.world_size} processes started")
     if ctx.device.type == "cpu":
         torch.set_num_threads(stage_threads(ctx.world_size))
+    else:
+        configure_cuda_attention()
     dtype = dtype_from_name(job.dtype) if job.dtype else (torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)
     k = job.num_spec_tokens
     prepared = prepare(job)
@@ -442,7 +534,8 @@ def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
     if not ctx.is_last:
         return result
     outputs = [
-        {"output_ids": s.output, "num_steps": len(s.acceptance), "mean_acceptance_length": _mean(s.acceptance),
+        {"output_ids": s.output, "num_steps": len(s.acceptance) + s.plain_steps, "plain_steps": s.plain_steps,
+         "mean_acceptance_length": _mean(s.acceptance),
          "acceptance_lengths": s.acceptance, "finish_reason": s.finish_reason,
          **({"draft_trace": s.trace} if job.trace else {})}
         for s in runner.seqs
@@ -453,7 +546,11 @@ def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
         "outputs": outputs,
         # Verify steps of the longest-running sequence: with one micro-batch and every sequence admitted
         # at once, the pipeline's step count after the prefill.
-        "num_steps": max(len(s.acceptance) for s in runner.seqs),
+        "num_steps": max(len(s.acceptance) + s.plain_steps for s in runner.seqs),
+        "spec_policy": job.spec_policy,
+        **({"spec_rounds": runner.policy.spec_rounds, "plain_rounds": runner.policy.plain_rounds,
+            "policy_switches": runner.policy.switches, "policy_rates": runner.policy.rates()} if runner.policy else {}),
+        "batched_forwards": runner.batched,
         "micro_batches": runner.scheduler.num_micro_batches,
         "slots_per_micro_batch": runner.slots,
         "max_num_seqs": runner.scheduler.capacity,
