@@ -54,14 +54,21 @@ PUBLIC_TAU_K3 = 3.0
 GPU_RUNS_BUDGET_S = 150.0  # `pipespec bench all --device cuda` has to fit one ~8-minute device call
 
 
-def _sweep(quick: bool, device: str) -> tuple[list[tuple[int, int]], int]:
-    """(c, k) runs (k = 0 before the other k of the same c) and new tokens per prompt."""
+def _sweep(quick: bool, device: str) -> tuple[list[tuple[int, int, str]], int]:
+    """(c, k, spec policy) runs (k = 0 before the other k of the same c) and new tokens per prompt.
+
+    Every k > 0 runs with ``--spec-policy always`` (drafting every step: the speedup of speculation
+    itself); k = 3 also with ``adaptive`` (the default, which falls back to plain decoding while that
+    is measured faster: the goal "never below 1.0x at any c" is about it).
+    """
+    core = [(1, 0, "always"), (1, 3, "always"), (1, 3, "adaptive"), (8, 0, "always"), (8, 3, "always"),
+            (8, 3, "adaptive")]
     if device == "cuda":
-        runs = [(1, 0), (1, 3), (8, 0), (8, 3), (1, 1), (1, 5)]  # the goal's runs first (time budget)
-        return (runs if not quick else runs[:4]), 64
+        runs = core + [(1, 1, "always"), (1, 5, "always")]  # the goal's runs first (time budget)
+        return (runs if not quick else core), 64
     if quick:
-        return [(1, 0), (1, 3), (8, 0), (8, 3)], 32
-    return [(c, k) for c in (1, 8) for k in (0, 1, 3, 5)], 96
+        return core, 32
+    return [(c, k, "always") for c in (1, 8) for k in (0, 1, 3, 5)] + [(1, 3, "adaptive"), (8, 3, "adaptive")], 96
 
 
 def _pair(work: Path, pair: Path | None = None) -> tuple[Path, Path, str]:
@@ -122,15 +129,15 @@ def run(quick: bool, device: str, command: str, pair: Path | None = None) -> lis
     dev = device_name(device)
     out_dir = os.environ.get("PIPESPEC_BENCH_OUT")
     results: list[Result] = []
-    measured: dict[int, dict[int, dict[str, Any]]] = {}
+    measured: dict[int, dict[tuple[int, str], dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         work = Path(tmp)
         target, draft, what = _pair(work, pair)
-        prompts = _prompts(target, max(c for c, _ in runs))
+        prompts = _prompts(target, max(c for c, _, _ in runs))
         started = time.perf_counter()
-        for c, k in runs:
-            if device == "cuda" and time.perf_counter() - started > GPU_RUNS_BUDGET_S and k and 0 in measured.get(c, {}):
-                print(f"p3: skipping c={c} k={k}: the measured runs took over {GPU_RUNS_BUDGET_S:.0f} s "
+        for c, k, policy in runs:
+            if device == "cuda" and time.perf_counter() - started > GPU_RUNS_BUDGET_S and k and (0, "always") in measured.get(c, {}):
+                print(f"p3: skipping c={c} k={k} {policy}: the measured runs took over {GPU_RUNS_BUDGET_S:.0f} s "
                       "(the one-call GPU budget)", file=sys.stderr)
                 continue
             path = work / f"prompts_{c}.jsonl"
@@ -139,26 +146,32 @@ def run(quick: bool, device: str, command: str, pair: Path | None = None) -> lis
             # --quick (CPU CI budget) and CUDA (the one-call GPU budget) call the CLI's entry point in this
             # process, reusing the warm stage forkserver; a full CPU run starts it as a subprocess.
             in_process = quick or device == "cuda"
-            measured.setdefault(c, {})[k] = _generate(target, draft, path, k, new_tokens, device, in_process)
+            measured.setdefault(c, {})[k, policy] = _generate(target, draft, path, k, new_tokens, device, in_process,
+                                                              extra=("--spec-policy", policy))
             if out_dir:
-                append_jsonl(Path(out_dir) / "p3_runs.jsonl", {"c": c, "k": k, "new_tokens": new_tokens, "device": device,
-                                                               "pair": what, "generate": measured[c][k]})
+                append_jsonl(Path(out_dir) / "p3_runs.jsonl", {"c": c, "k": k, "spec_policy": policy, "new_tokens": new_tokens,
+                                                               "device": device, "pair": what, "generate": measured[c][k, policy]})
     series: dict[str, tuple[list[float], list[float]]] = {}
     for c, by_k in measured.items():
-        base = by_k[0]
+        base = by_k[0, "always"]
         plain_ids = [o["output_ids"] for o in base["outputs"]]
-        for k, res in sorted(by_k.items()):
+        for (k, policy), res in sorted(by_k.items()):
             if k == 0:
                 continue
             speedup = res["tokens_per_s"] / base["tokens_per_s"]
             same = [o["output_ids"] for o in res["outputs"]] == plain_ids
             goal = GOAL_GPU_C1 if device == "cuda" and c == 1 else 1.0
+            suffix = "" if policy == "always" else f".{policy}"
+            rounds = (f", {res.get('spec_rounds', 0)} speculative / {res.get('plain_rounds', 0)} plain rounds "
+                      f"(measured rates {res.get('policy_rates')})" if policy == "adaptive" else "")
             results.append(Result(
-                f"P3.speedup.c{c}.k{k}", speedup, f">= {goal:g}", "x", speedup >= goal, dev, command,
-                detail=(f"{res['tokens_per_s']:.1f} vs {base['tokens_per_s']:.1f} tokens/s, mean acceptance length "
-                        f"{res['mean_acceptance_length']:.2f}, {new_tokens} new tokens x {c} prompts, outputs "
-                        f"{'identical to' if same else 'DIFFER from'} plain decoding; {what}"),
+                f"P3.speedup.c{c}.k{k}{suffix}", speedup, f">= {goal:g}", "x", speedup >= goal, dev, command,
+                detail=(f"--spec-policy {policy}: {res['tokens_per_s']:.1f} vs {base['tokens_per_s']:.1f} tokens/s, mean "
+                        f"acceptance length {res['mean_acceptance_length']:.2f}{rounds}, {new_tokens} new tokens x {c} "
+                        f"prompts, outputs {'identical to' if same else 'DIFFER from'} plain decoding; {what}"),
             ))
+            if policy != "always":
+                continue
             results.append(Result(f"P3.acceptance.c{c}.k{k}", float(res["mean_acceptance_length"]), "-", "tokens/step",
                                   None, dev, command, detail="mean accepted drafts + 1 per verify step"))
             xs, ys = series.setdefault(f"measured c={c}", ([], []))
@@ -167,7 +180,7 @@ def run(quick: bool, device: str, command: str, pair: Path | None = None) -> lis
     if device == "cuda":
         import torch
 
-        projected = project_70b(sorted({k for _, k in runs if k} | {1, 3, 5}), sorted(measured), command)
+        projected = project_70b(sorted({k for _, k, _ in runs if k} | {1, 3, 5}), sorted(measured), command)
         torch.cuda.empty_cache()  # the projection's models are gone; give their memory back for later benches
         results += projected
         for r in projected:
@@ -247,6 +260,10 @@ def project_70b(ks: Sequence[int], cs: Sequence[int], command: str, *, device: s
 
     from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig
 
+    if device == "cuda":
+        from pipespec.engine.worker import configure_cuda_attention
+
+        configure_cuda_attention()  # as the engine runs: no cuDNN attention plan per new key length
     dev_t = torch.device(device, 0) if device == "cuda" else torch.device(device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hidden = shape.hidden

@@ -522,6 +522,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     # Everything from here on uses the shipped (fp16-rounded) weights, reloaded from disk.
+    if device == "cuda":
+        from pipespec.engine.worker import configure_cuda_attention
+
+        configure_cuda_attention()  # decoding grows the key length every step: no cuDNN plan per shape
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
     aux_ids = eagle3_default_aux_ids(p.num_layers)
     draft_ids = draft_vocabulary(stream, len(tokenizer), p.draft_vocab_size)

@@ -67,10 +67,10 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def generate(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+def generate(capsys: pytest.CaptureFixture[str], *args: str, policy: str = "always") -> dict[str, Any]:
     """Run the real CLI (it starts the stage processes) and parse its JSON."""
     capsys.readouterr()
-    code = main(["generate", *args, "--json", "--trace", "--spec-policy", "always", "--timeout", "60"])
+    code = main(["generate", *args, "--json", "--trace", "--spec-policy", policy, "--timeout", "60"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     return json.loads(captured.out)
@@ -113,15 +113,20 @@ def check_against_oracles(result: dict[str, Any], target: Path, draft: Path | No
     assert len(outputs) == len(prompts)
     for out, (prompt, budget) in zip(outputs, prompts):
         assert out["output_ids"] == oracle(str(target), tuple(prompt), budget)
-        assert len(out["acceptance_lengths"]) == out["num_steps"]
+        assert len(out["acceptance_lengths"]) + out["plain_steps"] == out["num_steps"]
         assert all(1 <= a <= k + 1 for a in out["acceptance_lengths"])
         if not (check_drafts and draft is not None and k > 0):
             continue
         tokens = list(prompt) + out["output_ids"]
         committed = len(prompt)
-        for drafts, gained in zip(out["draft_trace"], out["acceptance_lengths"]):
+        gains = iter(out["acceptance_lengths"])
+        assert len(out["draft_trace"]) == out["num_steps"]
+        for drafts in out["draft_trace"]:  # [] is a plain step (the speculation policy chose no drafts)
+            if not drafts:
+                committed += 1
+                continue
             assert drafts == oracle_drafts(str(target), str(draft), result["aux_layers"], tokens, committed, k)
-            committed += gained
+            committed += next(gains)
 
 
 def by_step(result: dict[str, Any]) -> list[Any]:
@@ -271,3 +276,24 @@ def test_overlap_aux_transport_is_lossless_and_equals_relay(ckpts: dict[str, Pat
     sent = [[s.get("overlap_messages_sent", 0) for s in r["stages"]] for r in (relay, every, prefill)]
     assert sum(sent[0]) == 0 and all(n > 0 for n in sent[1][:-1]) and 0 < sum(sent[2]) < sum(sent[1]), sent
     check_against_oracles(every, ckpts["llama"], ckpts["llama_draft_bound"], PROMPTS, 3)
+
+
+@pytest.mark.timeout(300)
+def test_adaptive_policy_is_lossless_and_resumes_drafting_with_full_context(
+    ckpts: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default policy measures both modes, so a long run has plain steps (no drafts) and speculative
+    steps after them; the draft must then propose from its full context (the positions verified while
+    not speculating, ingested late): every speculative step's drafts equal the from-scratch oracle."""
+    prompts = [([5, 17, 3, 42, 8], 160), ([7, 9], 150)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p, "max_new_tokens": m}) + "\n" for p, m in prompts))
+    result = generate(capsys, "--target", str(ckpts["llama"]), "--draft", str(ckpts["llama_draft_b"]), "--pp", "2",
+                      "--prompts-file", str(path), "--num-spec-tokens", "3", policy="adaptive")
+    check_against_oracles(result, ckpts["llama"], ckpts["llama_draft_b"], prompts, 3)
+    assert result["spec_policy"] == "adaptive" and result["plain_rounds"] > 0
+    resumed = [
+        any(before == [] and after for before, after in zip(o["draft_trace"], o["draft_trace"][1:]))
+        for o in result["outputs"]
+    ]
+    assert any(resumed), "no speculative step followed a plain one"

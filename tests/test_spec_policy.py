@@ -32,7 +32,7 @@ def simulate(policy: SpecPolicy, rounds: int, spec_cost: float, spec_tokens: int
 
 
 def test_falls_back_to_plain_when_drafting_loses_and_keeps_probing() -> None:
-    policy = SpecPolicy("adaptive", window=4, exploit=3)
+    policy = SpecPolicy("adaptive", window=4, exploit=3, settle=2)
     # Drafting commits 2 tokens per round at 3x the cost: 0.67 tokens per unit vs plain's 1.0.
     modes = simulate(policy, 200, spec_cost=3.0, spec_tokens=2, plain_cost=1.0)
     tail = modes[50:]
@@ -42,7 +42,7 @@ def test_falls_back_to_plain_when_drafting_loses_and_keeps_probing() -> None:
 
 
 def test_keeps_speculating_when_drafting_wins() -> None:
-    policy = SpecPolicy("adaptive", window=4, exploit=3)
+    policy = SpecPolicy("adaptive", window=4, exploit=3, settle=2)
     modes = simulate(policy, 200, spec_cost=1.2, spec_tokens=3, plain_cost=1.0)
     tail = modes[50:]
     assert tail.count(True) > 0.75 * len(tail)
@@ -67,6 +67,8 @@ def test_bad_settings_are_refused() -> None:
         SpecPolicy("sometimes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="window"):
         SpecPolicy("adaptive", window=0)
+    with pytest.raises(ValueError, match="exploit"):
+        SpecPolicy("adaptive", exploit=8, max_exploit=4)
 
 
 @given(
@@ -76,7 +78,7 @@ def test_bad_settings_are_refused() -> None:
 def test_ends_up_no_slower_than_the_worse_mode_and_close_to_the_better(
     spec_cost: float, spec_tokens: int, plain_cost: float, in_flight: int
 ) -> None:
-    policy = SpecPolicy("adaptive", window=4, exploit=4)
+    policy = SpecPolicy("adaptive", window=4, exploit=4, settle=in_flight)
     modes = simulate(policy, 400, spec_cost, spec_tokens, plain_cost, in_flight=in_flight)
     tail = modes[100:]
     time = sum(spec_cost if m else plain_cost for m in tail)

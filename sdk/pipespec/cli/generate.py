@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a stage waits for the others to finish loading their weights (default 1800)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
     parser.add_argument("--trace", action="store_true",
-                        help="add each output's draft_trace (the k drafts every verify step checked) to the JSON")
+                        help="add each output's draft_trace (the drafts every verify step checked; [] for a plain step) to the JSON")
     parser.add_argument("--json", action="store_true", help="print one JSON object (format: DESIGN.md)")
     parser.add_argument("--verbose", "-v", action="store_true", help="per-stage log lines on stderr")
 

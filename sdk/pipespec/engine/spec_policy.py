@@ -11,16 +11,18 @@ threshold for the same effect). ``--spec-policy adaptive`` measures instead of g
   time since the previous published round (on the last stage, which sees the pipeline's throughput:
   with M micro-batches in flight the interval between its rounds is the pipeline's period). Rounds that
   prefilled a sequence are left out: their cost is the prompt, not the policy;
-* it runs in *windows* of ``W`` measured rounds: one window speculating, one window plain, then the
-  better mode (tokens per second) for ``exploit`` windows, then both are measured again, so a change of
-  load (sequences finishing, new ones arriving) is noticed within a bounded number of rounds. While the
-  same mode keeps winning, the exploit phase doubles (up to ``max_exploit`` windows), so probing the
-  losing mode costs a few percent of the rounds, not a fixed quarter;
+* it runs in *windows* of ``W`` measured rounds: one window of the mode it runs now, one of the other
+  (after a switch it skips the rounds still in flight from the old mode), then the faster mode (tokens
+  per second) runs for ``exploit`` times the seconds the slower one cost in that cycle, then both are
+  measured again, so a change of load (sequences finishing, new ones arriving) is noticed within a
+  bounded time. While the same mode keeps winning, that factor doubles (up to ``max_exploit``), so
+  probing the losing mode costs at most 1/7 of the time at first, then a few percent;
 * it prefers speculating: plain decoding is chosen only when it was measured at least ``margin`` faster.
 
 Outputs never depend on the choice: verification is exact either way (greedy; a round without drafts
-is a plain step). While not speculating the draft still ingests the verified positions
-(``Eagle3Draft.extend``), so the next speculative round drafts with its full context.
+is a plain step). While not speculating, the engine keeps the verified positions' aux states and
+tokens and lets the draft ingest them (``Eagle3Draft.extend``, one pass) just before it drafts again,
+so a plain round costs what ``--num-spec-tokens 0`` costs and drafting resumes with its full context.
 
 ``--spec-policy always`` speculates every round (deterministic steps and traces: tests use it).
 """
@@ -47,34 +49,51 @@ class _Window:
 
 @dataclass
 class SpecPolicy:
-    """The per-round speculate-or-not decision of the last stage (see the module docstring)."""
+    """The per-round speculate-or-not decision of the last stage (see the module docstring).
+
+    ``window``: measured rounds per mode; ``settle``: rounds skipped after a switch (the pipeline still
+    holds rounds of the old mode: pass the number of micro-batches); ``exploit``/``max_exploit``: the
+    winner runs for this many times the seconds spent in the loser during the measuring (doubling while the same mode
+    keeps winning), so probing the loser costs at most ``1 / (1 + exploit)`` of the time, falling to
+    ``1 / (1 + max_exploit)``; ``margin``: how much faster plain decoding must be to be chosen.
+    """
 
     policy: Policy = "adaptive"
-    window: int = 8
-    exploit: int = 6
-    max_exploit: int = 32
+    window: int = 4
+    settle: int = 1
+    exploit: float = 6.0
+    max_exploit: float = 48.0
     margin: float = 0.03
-    _mode: bool = True  # the mode being run now: True = speculate
-    _phase: Literal["measure_spec", "measure_plain", "exploit"] = "measure_spec"
-    _exploited: int = 0
-    _exploit_windows: int = 0  # the current exploit length in windows (doubles while decisions repeat)
-    _measured: dict[bool, _Window] = field(default_factory=lambda: {True: _Window(), False: _Window()})
-    _last: float | None = None
-    _last_best: bool = True
-    _decided: tuple[float, float] = (0.0, 0.0)  # (speculate, plain) tokens/s behind the last decision
     switches: int = 0
     plain_rounds: int = 0
     spec_rounds: int = 0
+    _mode: bool = True  # the mode being run now: True = speculate
+    _measuring: list[bool] = field(default_factory=lambda: [True, False])  # modes still to measure, in order
+    _skip: int = 0  # rounds still to skip after a switch
+    _exploit_until: float = 0.0
+    _factor: float = 0.0
+    _measured: dict[bool, _Window] = field(default_factory=lambda: {True: _Window(), False: _Window()})
+    _spent: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})  # seconds per mode, this cycle
+    _last: float | None = None
+    _last_best: bool = True
+    _decided: tuple[float, float] = (0.0, 0.0)  # (speculate, plain) tokens/s behind the last decision
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown speculation policy {self.policy!r}: use one of {', '.join(POLICIES)}")
-        if self.window < 1 or self.exploit < 0:
-            raise ValueError(f"window must be >= 1 and exploit >= 0, got {self.window} and {self.exploit}")
+        if self.window < 1 or self.settle < 0 or self.exploit <= 0 or self.max_exploit < self.exploit:
+            raise ValueError(f"window must be >= 1, settle >= 0 and 0 < exploit <= max_exploit, got {self.window}, "
+                             f"{self.settle}, {self.exploit} and {self.max_exploit}")
 
     def speculate(self) -> bool:
         """Whether the round being planned now should carry drafts."""
         return True if self.policy == "always" else self._mode
+
+    def _switch(self, mode: bool) -> None:
+        if mode != self._mode:
+            self.switches += 1
+            self._skip = self.settle
+        self._mode = mode
 
     def record(self, speculated: bool, tokens: int, now: float, prefill: bool = False) -> None:
         """One published round: did it carry drafts, how many tokens it committed, when it was published
@@ -84,37 +103,39 @@ class SpecPolicy:
             self.spec_rounds += 1
         else:
             self.plain_rounds += 1
-        if self.policy == "always" or last is None or prefill or tokens <= 0:
+        if self.policy == "always" or last is None:
             return
-        if self._phase == "exploit":
-            self._exploited += 1
-            if self._exploited >= self._exploit_windows * self.window:
-                self._start_measuring()
+        if not self._measuring:  # exploiting the winner
+            if now >= self._exploit_until:
+                self._measuring = [self._mode, not self._mode]  # the current mode first: one switch fewer
+                self._measured = {True: _Window(), False: _Window()}
+                self._spent = {True: 0.0, False: 0.0}
+            return
+        self._spent[speculated] += now - last  # every round of the cycle, measured or not
+        if prefill or tokens <= 0:
             return
         if speculated != self._mode:
             return  # a round launched before the last switch: it belongs to the other mode
+        if self._skip:
+            self._skip -= 1
+            return
         w = self._measured[speculated]
         w.tokens, w.seconds, w.rounds = w.tokens + tokens, w.seconds + (now - last), w.rounds + 1
         if w.rounds < self.window:
             return
-        if self._phase == "measure_spec":
-            self._phase, self._mode = "measure_plain", False
-            self.switches += 1
+        self._measuring.pop(0)
+        if self._measuring:
+            self._switch(self._measuring[0])
             return
-        spec, plain = self._measured[True].rate, self._measured[False].rate
-        self._decided = (spec, plain)
-        best = not plain > spec * (1 + self.margin)
-        if best != self._mode:
-            self.switches += 1
-        repeated = self._exploit_windows and best == self._last_best
-        self._exploit_windows = min(2 * self._exploit_windows, self.max_exploit) if repeated else self.exploit
-        self._mode, self._phase, self._exploited, self._last_best = best, "exploit", 0, best
-
-    def _start_measuring(self) -> None:
-        self._measured = {True: _Window(), False: _Window()}
-        if not self._mode:
-            self.switches += 1
-        self._mode, self._phase = True, "measure_spec"
+        spec, plain = self._measured[True], self._measured[False]
+        self._decided = (spec.rate, plain.rate)
+        best = not plain.rate > spec.rate * (1 + self.margin)
+        repeated = self._factor > 0 and best == self._last_best
+        self._factor = min(2 * self._factor, self.max_exploit) if repeated else self.exploit
+        self._last_best = best
+        # The loser's whole cost this cycle (settling rounds included) sets how long the winner runs.
+        self._exploit_until = now + self._factor * self._spent[not best]
+        self._switch(best)
 
     def rates(self) -> dict[str, float]:
         """The tokens/s of each mode behind the last decision (0.0 before the first one)."""

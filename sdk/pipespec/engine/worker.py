@@ -72,11 +72,12 @@ class SeqState:
     finish_reason: str | None = None  # "stop" (EOS), "length" (max_new_tokens) or "cancelled"
     output: list[int] = field(default_factory=list)
     acceptance: list[int] = field(default_factory=list)
-    trace: list[list[int]] = field(default_factory=list)  # the drafts each speculative verify step checked
+    trace: list[list[int]] = field(default_factory=list)  # the drafts each verify step checked ([]: a plain step)
     plain_steps: int = 0  # verify steps without drafts (the speculation policy chose plain decoding)
 
 
 THREADS_ENV = "PIPESPEC_THREADS"
+DRAFT_BACKLOG = 256  # positions a row may hold back from the draft while not speculating
 
 
 def stage_threads(world_size: int) -> int:
@@ -168,7 +169,9 @@ class StageRunner:
         self.channel = StepChannel(ctx, stepmsg.message_size(self.slots, self.k), micro_batches)
         # The batched KV state of each micro-batch's running sequences (one RowBatch when batched).
         self.batches: list[list[RowBatch]] = [[] for _ in range(micro_batches)]
-        self.policy = SpecPolicy(job.spec_policy) if ctx.is_last and self.k else None
+        self.policy = SpecPolicy(job.spec_policy, settle=micro_batches) if ctx.is_last and self.k else None  # type: ignore[arg-type]
+        # Positions verified while not speculating, per request, waiting for the draft (last stage).
+        self.backlog: dict[int, list[tuple[torch.Tensor, list[int]]]] = {}
         self.step = 0  # rounds launched, all micro-batches together
         self.forwards = 0  # target forwards run by this stage
         self.elapsed = 0.0
@@ -212,20 +215,54 @@ class StageRunner:
         return kept, len(seq.output) + kept >= seq.request.max_new_tokens
 
     def _draft(self, batch: RowBatch, aux: list[torch.Tensor], next_ids: list[list[int]], speculate: bool) -> list[list[int]]:
-        """Feed the draft the verified positions of every row (``next_ids[b]``: the tokens that follow
-        them, ``aux`` their aux states, padded) and, when speculating, return k drafts per row."""
-        width = max(len(n) for n in next_ids)
-        ids = torch.zeros(batch.size, width, dtype=torch.long)
-        for b, row in enumerate(next_ids):
-            ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-        ragged = any(len(n) != width for n in next_ids)
-        valid = [len(n) for n in next_ids] if ragged else None  # host ints: the draft cache keeps exact lengths
-        aux = [a[:, :width] for a in aux]
-        ids = ids.to(self.ctx.device, non_blocking=True)
+        """Give the draft the verified positions of every row (``next_ids[b]``: the tokens that follow
+        them, ``aux`` their aux states, padded) and, when speculating, return k drafts per row.
+
+        Not speculating, the positions wait in a backlog (a copy: the aux states may live in a receive
+        buffer) that the draft ingests in one pass before it next drafts, or when it grows past
+        ``DRAFT_BACKLOG`` positions: a plain round then costs no draft forward at all.
+        """
         if not speculate:
-            self.draft.extend(aux, ids, batch.draft_cache, num_valid=valid)
+            features = torch.cat(aux, dim=-1)  # a copy, [B, T, k * H]
+            longest = 0
+            for b, (request, row) in enumerate(zip(batch.rows, next_ids)):
+                entry = self.backlog.setdefault(request, [])
+                entry.append((features[b, : len(row)], row))
+                longest = max(longest, sum(len(ids) for _, ids in entry))
+            if longest >= DRAFT_BACKLOG:
+                self._ingest(batch)
             return [[] for _ in next_ids]
-        return self.draft.propose(aux, ids, batch.draft_cache, num_tokens=self.k, num_valid=valid).tolist()
+        self._ingest(batch)
+        ids, valid = self._padded(next_ids)
+        width = ids.shape[1]
+        return self.draft.propose([a[:, :width] for a in aux], ids, batch.draft_cache, num_tokens=self.k,
+                                  num_valid=valid).tolist()
+
+    def _padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, list[int] | None]:
+        """Token rows padded into ``[B, T]`` on the device, and the per-row counts when they differ (host
+        ints: the draft cache then keeps exact lengths)."""
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        counts = [len(r) for r in rows]
+        return ids.to(self.ctx.device, non_blocking=True), (counts if any(c != width for c in counts) else None)
+
+    def _ingest(self, batch: RowBatch) -> None:
+        """Feed the draft the backlog of ``batch``'s rows (positions verified while not speculating)."""
+        entries = [self.backlog.pop(request, []) for request in batch.rows]
+        if not any(entries):
+            return
+        rows = [[t for _, ids in entry for t in ids] for entry in entries]
+        counts = [len(r) for r in rows]
+        sample = next(f for entry in entries for f, _ in entry)
+        features = sample.new_zeros(batch.size, max(counts), sample.shape[-1])
+        for b, entry in enumerate(entries):
+            if entry:
+                features[b, : counts[b]] = torch.cat([f for f, _ in entry])
+        ids, _ = self._padded([r or [0] for r in rows])
+        ragged = any(c != max(counts) for c in counts)
+        self.draft.extend(features, ids[:, : max(counts)], batch.draft_cache, num_valid=counts if ragged else None)
 
     # ------------------------------------------------------------------------------ one round
     def _prefill(self, rows: list[int], speculate: bool) -> tuple[RowBatch, list[stepmsg.SeqUpdate] | None]:
@@ -282,10 +319,10 @@ class StageRunner:
             seq.committed += u.accepted + 1
             if seq.drafts or not self.k:
                 seq.acceptance.append(u.accepted + 1)
-                if self.job.trace:  # only kept when asked for: it grows with every step
-                    seq.trace.append(list(seq.drafts))
             else:
                 seq.plain_steps += 1
+            if self.job.trace:  # only kept when asked for: it grows with every step
+                seq.trace.append(list(seq.drafts))
         seq.output.extend(u.tokens[: u.kept])
         seq.pending = u.tokens[-1]
         seq.drafts = list(u.drafts)
@@ -302,7 +339,10 @@ class StageRunner:
         for batch in self.batches[index]:
             if batch.open:
                 batch.resolve([self.seqs[r].committed for r in batch.rows])
-            batch.drop({r for r in batch.rows if self.seqs[r].done})
+            dead = {r for r in batch.rows if self.seqs[r].done}
+            batch.drop(dead)
+            for request in dead:
+                self.backlog.pop(request, None)
             if batch.size:
                 batches.append(batch)
         if self.batched and len(batches) > 1:
