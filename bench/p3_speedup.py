@@ -65,7 +65,7 @@ def _sweep(quick: bool, device: str) -> tuple[list[tuple[int, int, str]], int]:
             (8, 3, "adaptive")]
     if device == "cuda":
         runs = core + [(1, 1, "always"), (1, 5, "always")]  # the goal's runs first (time budget)
-        return (runs if not quick else core), 64
+        return (runs if not quick else core), 192  # long enough for the adaptive policy to amortise its probing
     if quick:
         return core, 32
     return [(c, k, "always") for c in (1, 8) for k in (0, 1, 3, 5)] + [(1, 3, "adaptive"), (8, 3, "adaptive")], 96

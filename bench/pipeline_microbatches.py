@@ -85,7 +85,7 @@ def _generate(target: Path, draft: Path, prompts: Path, micro_batches: int, new_
 
     args = ["generate", "--target", str(target), "--draft", str(draft), "--pp", str(PP), "--prompts-file", str(prompts),
             "--max-new-tokens", str(new_tokens), "--num-spec-tokens", str(k), "--micro-batches", str(micro_batches),
-            "--ignore-eos", "--device", device, "--json"]
+            "--ignore-eos", "--device", device, "--json", "--spec-policy", "always"]
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         code = main(args)

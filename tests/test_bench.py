@@ -104,14 +104,17 @@ def test_p3_quick_runs_on_the_given_pair_and_records_it(tmp_path: Path) -> None:
     out = tmp_path / "out"
     rows = _bench_json("p3", "--quick", "--pair", str(pair), "--out", str(out))
     by_id = {r["id"]: r for r in rows}
-    assert {"P3.speedup.c1.k3", "P3.speedup.c8.k3", "P3.acceptance.c1.k3", "P3.acceptance.c8.k3"} <= set(by_id)
+    assert {"P3.speedup.c1.k3", "P3.speedup.c8.k3", "P3.speedup.c1.k3.adaptive", "P3.speedup.c8.k3.adaptive",
+            "P3.acceptance.c1.k3", "P3.acceptance.c8.k3"} <= set(by_id)
     for c in (1, 8):
         row = by_id[f"P3.speedup.c{c}.k3"]
         assert f"pair {pair}: llama target, 4 layers" in row["detail"], row["detail"]
         assert row["value"] > 0 and f"--pair {pair}" in row["command"]
     # One raw record per generate run, written as each finished, naming the pair too.
     runs = [json.loads(line) for line in (out / "p3_runs.jsonl").read_text().splitlines()]
-    assert [(r["c"], r["k"]) for r in runs] == [(1, 0), (1, 3), (8, 0), (8, 3)]
+    assert [(r["c"], r["k"], r["spec_policy"]) for r in runs] == [
+        (c, k, policy) for c in (1, 8) for k, policy in ((0, "always"), (3, "always"), (3, "adaptive"))
+    ]
     assert all(str(pair) in r["pair"] and r["generate"]["tokens_per_s"] > 0 for r in runs)
     assert json.loads((out / "p3.json").read_text()) == rows
 

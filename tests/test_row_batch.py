@@ -43,9 +43,10 @@ def _run(stages: list[Any], batches: list[RowBatch], tokens: list[list[int]], co
     return logits
 
 
-@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize(("pp", "mask_dtype"), [(1, None), (2, None), (2, torch.float32)])
 @pytest.mark.timeout(240)
-def test_batched_rounds_with_holes_equal_from_scratch_forwards(llama: Path, pp: int) -> None:
+def test_batched_rounds_with_holes_equal_from_scratch_forwards(llama: Path, pp: int, mask_dtype: torch.dtype | None) -> None:
+    """Boolean masks (sdpa) and additive masks (eager attention's form; sdpa takes it too)."""
     rng = random.Random(pp)
     model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
@@ -54,7 +55,7 @@ def test_batched_rounds_with_holes_equal_from_scratch_forwards(llama: Path, pp: 
     history: dict[int, list[int]] = {}
 
     def prefill(rows: list[int]) -> list[RowBatch]:
-        batches = [RowBatch(s.new_cache(), rows, torch.device("cpu")) for s in stages]
+        batches = [RowBatch(s.new_cache(), rows, torch.device("cpu"), mask_dtype) for s in stages]
         prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 9))] for _ in rows]
         logits = _run(stages, batches, prompts, [0] * len(rows))
         for b, (row, prompt) in enumerate(zip(rows, prompts)):

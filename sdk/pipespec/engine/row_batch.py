@@ -61,10 +61,11 @@ class RowBatch:
     the last stage (``None`` elsewhere or without a draft).
     """
 
-    def __init__(self, cache: Any, rows: Sequence[int], device: torch.device) -> None:
+    def __init__(self, cache: Any, rows: Sequence[int], device: torch.device, mask_dtype: torch.dtype | None = None) -> None:
         self.cache = cache
         self.rows = list(rows)
         self.device = device
+        self.mask_dtype = mask_dtype  # None: a boolean mask (sdpa, True = attend); else additive (eager: 0 / min)
         self.valid = torch.zeros(len(self.rows), 0, dtype=torch.bool)  # host-side slot mask [B, L]
         self.draft_cache: Any = None
         self._pending: tuple[int, list[int]] | None = None  # (first new slot, committed per row) of the open forward
@@ -93,8 +94,12 @@ class RowBatch:
         """Inputs of this round's forward: ``(input_ids [B, T], position_ids [B, T], attention_mask or
         None, T)`` for each row's new ``tokens`` after its ``committed`` ones.
 
-        ``attention_mask`` is ``None`` when there is nothing to mask (no hole, no padding), which keeps a
-        one-row batch on exactly the per-sequence code path.
+        ``attention_mask`` is the finished 4D mask ``[B, 1, T, L + T]`` (transformers uses a 4D mask as
+        given): a query sees the stored slots and new tokens that are real and not after it. Built on
+        the host from the host-side slot mask, it costs the GPU one copy and no synchronisation, where
+        transformers' own mask creation from a 2D mask checks it on the device. ``None`` when there is
+        nothing to mask (no hole, no padding), which keeps a one-row batch on exactly the per-sequence
+        code path.
         """
         if len(tokens) != self.size or len(committed) != self.size:
             raise ValueError(f"{len(tokens)} token rows / {len(committed)} lengths for a batch of {self.size} rows")
@@ -110,12 +115,27 @@ class RowBatch:
             new_valid[b, : len(row)] = True
         positions = torch.tensor(committed, dtype=torch.long)[:, None] + torch.arange(steps)
         holes = bool((~self.valid).any()) or not bool(new_valid.all())
-        mask = torch.cat((self.valid, new_valid), dim=1).to(torch.long) if holes else None
+        mask = self._mask(torch.cat((self.valid, new_valid), dim=1), steps) if holes else None
         self._pending = (self.slots, list(committed))
         self.valid = torch.cat((self.valid, torch.zeros(self.size, steps, dtype=torch.bool)), dim=1)
-        to = self.device
-        return (ids.to(to, non_blocking=True), positions.to(to, non_blocking=True),
-                mask.to(to, non_blocking=True) if mask is not None else None, steps)
+        return self._to_device(ids), self._to_device(positions), self._to_device(mask) if mask is not None else None, steps
+
+    def _mask(self, keys: torch.Tensor, steps: int) -> torch.Tensor:
+        """The 4D attention mask for real ``keys [B, L + T]`` and ``steps`` new queries at slots L.. ."""
+        total = keys.shape[1]
+        first = total - steps
+        causal = torch.arange(total)[None, :] <= (first + torch.arange(steps))[:, None]  # [T, L + T]
+        allowed = (keys[:, None, :] & causal[None])[:, None]  # [B, 1, T, L + T]
+        if self.mask_dtype is None:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=self.mask_dtype).masked_fill_(~allowed, torch.finfo(self.mask_dtype).min)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the batch's device: through pinned memory on CUDA, since a copy from pageable
+        memory waits for the whole stream first."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def resolve(self, committed: Sequence[int]) -> None:
         """Close the open forward: row ``b`` now has ``committed[b]`` tokens (it kept ``committed[b]``
@@ -152,7 +172,7 @@ class RowBatch:
             kept = self.valid[b].nonzero().flatten()
             index[b, : kept.numel()] = kept
             valid[b, : kept.numel()] = True
-        gather = index.to(self.device, non_blocking=True)
+        gather = self._to_device(index)
         for layer in self._owned_layers():
             layer.keys = _gather_slots(layer.keys, gather)
             layer.values = _gather_slots(layer.values, gather)
@@ -166,7 +186,7 @@ class RowBatch:
             return
         index = torch.tensor(keep, dtype=torch.long)
         if keep:
-            on_device = index.to(self.device, non_blocking=True)
+            on_device = self._to_device(index)
             for layer in self._owned_layers():
                 if layer.keys is not None and layer.keys.numel():
                     layer.keys = layer.keys.index_select(0, on_device)
@@ -195,7 +215,7 @@ class RowBatch:
             parts = [ls[i] for ls in layers]
             layer.keys = torch.cat([_pad_slots(p.keys, length) for p in parts], dim=0)
             layer.values = torch.cat([_pad_slots(p.values, length) for p in parts], dim=0)
-        merged = cls(first.cache, [r for b in batches for r in b.rows], first.device)
+        merged = cls(first.cache, [r for b in batches for r in b.rows], first.device, first.mask_dtype)
         merged.valid = torch.cat([F.pad(b.valid, (0, length - b.slots)) for b in batches], dim=0)
         if first.draft_cache is not None:
             merged.draft_cache = type(first.draft_cache).concat([b.draft_cache for b in batches])

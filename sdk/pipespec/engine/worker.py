@@ -146,7 +146,11 @@ class StageRunner:
         self.slots = self.scheduler.slots_per_micro_batch
         # Several sequences per forward (rows with holes) where the stage's cache allows it; else one
         # forward per sequence (sliding-window / hybrid layers: pipespec.engine.row_batch).
-        self.batched = batchable(target.resolved.config)
+        attention = getattr(target.decoder.config, "_attn_implementation", None) or "sdpa"
+        # The engine builds the 4D masks of batches with holes itself: boolean for sdpa, additive for eager;
+        # other kernels (flash, flex) take no such mask, so their sequences run one per forward.
+        self.mask_dtype = target.dtype if attention == "eager" else None
+        self.batched = batchable(target.resolved.config) and attention in ("sdpa", "eager")
         rows = self.slots if self.batched else 1
         longest = max(len(r.prompt_ids) for r in job.requests)
         max_tokens = max(longest, self.k + 1)
@@ -246,7 +250,9 @@ class StageRunner:
         for b, row in enumerate(rows):
             ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
         counts = [len(r) for r in rows]
-        return ids.to(self.ctx.device, non_blocking=True), (counts if any(c != width for c in counts) else None)
+        if self.ctx.device.type == "cuda":  # from pinned memory: a pageable copy would wait for the stream
+            ids = ids.pin_memory().to(self.ctx.device, non_blocking=True)
+        return ids, (counts if any(c != width for c in counts) else None)
 
     def _ingest(self, batch: RowBatch) -> None:
         """Feed the draft the backlog of ``batch``'s rows (positions verified while not speculating)."""
@@ -268,7 +274,7 @@ class StageRunner:
     def _prefill(self, rows: list[int], speculate: bool) -> tuple[RowBatch, list[stepmsg.SeqUpdate] | None]:
         """Prefill newly admitted sequences as one batch (right-padded prompts): the new batch, and
         their updates on the last stage."""
-        batch = RowBatch(self.target.new_cache(), rows, self.ctx.device)
+        batch = RowBatch(self.target.new_cache(), rows, self.ctx.device, self.mask_dtype)
         prompts = [list(self.seqs[r].request.prompt_ids) for r in rows]
         out = self._forward(batch, prompts, [0] * len(rows))
         if out is None:
@@ -415,7 +421,7 @@ class StageRunner:
         """
         started = time.perf_counter()
         rows = min(self.slots, self.scheduler.capacity) if self.batched else 1
-        batch = RowBatch(self.target.new_cache(), list(range(-rows, 0)), self.ctx.device)
+        batch = RowBatch(self.target.new_cache(), list(range(-rows, 0)), self.ctx.device, self.mask_dtype)
         with torch.inference_mode():
             out = self._forward(batch, [[0, 0]] * rows, [0] * rows)
             if out is not None and self.k:
