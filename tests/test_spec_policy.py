@@ -17,15 +17,19 @@ from pipespec.engine.spec_policy import SpecPolicy
 
 
 def simulate(policy: SpecPolicy, rounds: int, spec_cost: float, spec_tokens: int, plain_cost: float,
-             in_flight: int = 2, tokens_per_row: int = 1) -> list[bool]:
-    """Run ``rounds`` rounds; returns the mode each round ran in."""
+             in_flight: int = 2, tokens_per_row: int = 1, draft_cost: float | None = None) -> list[bool]:
+    """Run ``rounds`` rounds of one sequence; returns the mode each round ran in. With ``draft_cost`` the
+    rounds also report the draft's share of a speculative round (and one row)."""
     now = 0.0
     queue: deque[bool] = deque([True] * in_flight)  # modes already decided for rounds in flight
     modes = []
     for _ in range(rounds):
         mode = queue.popleft()
         now += spec_cost if mode else plain_cost
-        policy.record(mode, spec_tokens if mode else tokens_per_row, now)
+        if draft_cost is None:
+            policy.record(mode, spec_tokens if mode else tokens_per_row, now)
+        else:
+            policy.record(mode, spec_tokens if mode else tokens_per_row, now, rows=1, draft_seconds=draft_cost if mode else 0.0)
         queue.append(policy.speculate())
         modes.append(mode)
     return modes
@@ -59,7 +63,7 @@ def test_prefill_rounds_are_not_measured() -> None:
     policy = SpecPolicy("adaptive", window=2, exploit=1)
     for t in range(20):
         policy.record(True, 5, float(t), prefill=True)
-    assert policy.speculate() and policy.rates() == {"speculate": 0.0, "plain": 0.0}
+    assert policy.speculate() and policy.rates() == {"speculate": 0.0, "plain": 0.0, "plain_bound": False}
 
 
 def test_bad_settings_are_refused() -> None:
@@ -87,3 +91,21 @@ def test_ends_up_no_slower_than_the_worse_mode_and_close_to_the_better(
     assert rate >= worst * 0.999
     # Probing costs at most the two measuring windows per cycle; the margin favours speculating.
     assert rate >= best * 0.75
+
+
+def test_plain_decoding_is_not_probed_when_drafting_beats_its_bound() -> None:
+    """Round 1.5 (draft 0.5 of it) committing 3 tokens: plain could reach at most 1 / (1.5 - 0.5) = 1 token
+    per unit, drafting does 2: plain decoding is never run."""
+    policy = SpecPolicy("adaptive", window=4)
+    modes = simulate(policy, 300, spec_cost=1.5, spec_tokens=3, plain_cost=1.0, draft_cost=0.5)
+    assert all(modes) and policy.plain_rounds == 0
+    assert policy.rates() == {"speculate": 2.0, "plain": 1.0, "plain_bound": True}
+
+
+def test_plain_decoding_is_probed_and_chosen_when_the_bound_does_not_rule_it_out() -> None:
+    """Round 3 (draft 2.5 of it) committing 2 tokens: the bound (2 per unit) does not exclude plain, whose
+    measured 1 token per 0.5 wins."""
+    policy = SpecPolicy("adaptive", window=4, settle=2)
+    modes = simulate(policy, 300, spec_cost=3.0, spec_tokens=2, plain_cost=0.5, draft_cost=2.5)
+    assert modes[100:].count(False) > 0.6 * 200
+    assert policy.rates()["plain_bound"] is False

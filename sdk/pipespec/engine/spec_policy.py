@@ -17,7 +17,12 @@ threshold for the same effect). ``--spec-policy adaptive`` measures instead of g
   measured again, so a change of load (sequences finishing, new ones arriving) is noticed within a
   bounded time. While the same mode keeps winning, that factor doubles (up to ``max_exploit``), so
   probing the losing mode costs at most 1/7 of the time at first, then a few percent;
-* it prefers speculating: plain decoding is chosen only when it was measured at least ``margin`` faster.
+* it prefers speculating: plain decoding is chosen only when it was measured at least ``margin`` faster;
+* it does not run plain decoding to learn what it already knows: a speculative window also records
+  how many sequences it verified and how long the draft took, and plain decoding can at best commit one
+  token per sequence in the round time less the draft's (verifying 1 position costs at most what
+  verifying k + 1 did). When drafting beats that bound, plain decoding is not probed at all — the
+  usual case at low concurrency — and drafting is simply measured again, window after window;
 
 Outputs never depend on the choice: verification is exact either way (greedy; a round without drafts
 is a plain step). While not speculating, the engine keeps the verified positions' aux states and
@@ -41,10 +46,20 @@ class _Window:
     tokens: int = 0
     seconds: float = 0.0
     rounds: int = 0
+    rows: int = 0  # sequences verified (a plain round commits exactly one token per row)
+    draft_seconds: float = 0.0
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def plain_bound(self) -> float:
+        """Of a speculative window: the most tokens/s plain decoding could reach on the same rounds —
+        one token per row, in the round time less the draft's (verifying one position instead of k + 1
+        costs at most what verifying k + 1 did)."""
+        rest = self.seconds - self.draft_seconds
+        return self.rows / rest if rest > 0 else float("inf")
 
 
 @dataclass
@@ -77,6 +92,7 @@ class SpecPolicy:
     _last: float | None = None
     _last_best: bool = True
     _decided: tuple[float, float] = (0.0, 0.0)  # (speculate, plain) tokens/s behind the last decision
+    _plain_bounded: bool = False  # the plain figure is the bound, not a measurement
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -95,9 +111,12 @@ class SpecPolicy:
             self._skip = self.settle
         self._mode = mode
 
-    def record(self, speculated: bool, tokens: int, now: float, prefill: bool = False) -> None:
+    def record(self, speculated: bool, tokens: int, now: float, prefill: bool = False, rows: int = 0,
+               draft_seconds: float = 0.0) -> None:
         """One published round: did it carry drafts, how many tokens it committed, when it was published
-        (``time.perf_counter()``), and whether it prefilled any sequence (then it is not measured)."""
+        (``time.perf_counter()``), whether it prefilled any sequence (then it is not measured), how many
+        sequences it verified and the seconds the draft took in it (both optional: without them plain
+        decoding is always measured, never bounded)."""
         last, self._last = self._last, now
         if speculated:
             self.spec_rounds += 1
@@ -121,14 +140,20 @@ class SpecPolicy:
             return
         w = self._measured[speculated]
         w.tokens, w.seconds, w.rounds = w.tokens + tokens, w.seconds + (now - last), w.rounds + 1
+        w.rows, w.draft_seconds = w.rows + rows, w.draft_seconds + draft_seconds
         if w.rounds < self.window:
             return
         self._measuring.pop(0)
+        spec, plain = self._measured[True], self._measured[False]
+        if speculated and self._measuring and w.rows and spec.rate > spec.plain_bound * (1 + self.margin):
+            # Drafting beats even the fastest plain decoding could be: no need to run plain to know.
+            self._decided, self._plain_bounded = (spec.rate, spec.plain_bound), True
+            self._last_best, self._measuring, self._exploit_until = True, [], now  # keep measuring drafting
+            return
         if self._measuring:
             self._switch(self._measuring[0])
             return
-        spec, plain = self._measured[True], self._measured[False]
-        self._decided = (spec.rate, plain.rate)
+        self._decided, self._plain_bounded = (spec.rate, plain.rate), False
         best = not plain.rate > spec.rate * (1 + self.margin)
         repeated = self._factor > 0 and best == self._last_best
         self._factor = min(2 * self._factor, self.max_exploit) if repeated else self.exploit
@@ -138,5 +163,7 @@ class SpecPolicy:
         self._switch(best)
 
     def rates(self) -> dict[str, float]:
-        """The tokens/s of each mode behind the last decision (0.0 before the first one)."""
-        return {"speculate": round(self._decided[0], 2), "plain": round(self._decided[1], 2)}
+        """The tokens/s of each mode behind the last decision (0.0 before the first one); ``plain_bound``
+        says the plain figure is the upper bound from a speculative window, not a measurement."""
+        return {"speculate": round(self._decided[0], 2), "plain": round(self._decided[1], 2),
+                "plain_bound": self._plain_bounded}

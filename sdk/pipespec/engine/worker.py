@@ -178,6 +178,7 @@ class StageRunner:
         self.backlog: dict[int, list[tuple[torch.Tensor, list[int]]]] = {}
         self.step = 0  # rounds launched, all micro-batches together
         self.forwards = 0  # target forwards run by this stage
+        self.round_draft_s = 0.0  # seconds the draft took in the current round's verify steps (last stage)
         self.elapsed = 0.0
 
     # ------------------------------------------------------------------------------ one forward
@@ -312,7 +313,9 @@ class StageRunner:
             updates.append(stepmsg.SeqUpdate(ran=True, done=done, accepted=accepted, tokens=produced, kept=kept))
             produced_rows.append(produced)
         if self.k:
-            drafts = self._draft(batch, aux, produced_rows, speculate)
+            started = time.perf_counter()
+            drafts = self._draft(batch, aux, produced_rows, speculate)  # ends in a host read: timed whole
+            self.round_draft_s += time.perf_counter() - started
             for u, d in zip(updates, drafts):
                 u.drafts = d if not u.done else []
         return updates
@@ -378,6 +381,7 @@ class StageRunner:
         speculate = self.policy.speculate() if self.policy is not None else False
         by_request: dict[int, stepmsg.SeqUpdate] = {}
         speculated = False
+        self.round_draft_s = 0.0
         for batch in batches:
             speculated = speculated or any(self.seqs[r].drafts for r in batch.rows)
             result = self._verify(batch, speculate)
@@ -396,8 +400,9 @@ class StageRunner:
                 updates[launch.slot] = update
             self.channel.publish(mb.index, stepmsg.encode(mb.rounds - 1, mb.index, updates, self.k))
             if self.policy is not None:
-                tokens = sum(u.accepted + 1 for r, u in by_request.items() if r not in new)
-                self.policy.record(speculated, tokens, time.perf_counter(), prefill=bool(new))
+                verified = [u for r, u in by_request.items() if r not in new]
+                self.policy.record(speculated, sum(u.accepted + 1 for u in verified), time.perf_counter(),
+                                   prefill=bool(new), rows=len(verified), draft_seconds=self.round_draft_s)
         else:
             self.channel.expect(mb.index)
         for request in sched.cancel_due(mb, launches):
