@@ -137,7 +137,10 @@ def _report(summary: dict[str, Any], kind: str, spec: dict[str, Any]) -> None:
     for i, out in enumerate(summary["outputs"]):
         shown = repr(out["text"]) if "text" in out else str(out["output_ids"])
         print(f"  [{i}] {shown}")
-        print(f"      {len(out['output_ids'])} tokens in {out['num_steps']} steps, acceptance {out['acceptance_lengths']}")
+        plain = out.get("plain_steps", 0)
+        how = f" ({plain} of them plain: --spec-policy adaptive measured drafting as slower then)" if plain else ""
+        print(f"      {len(out['output_ids'])} tokens in {out['num_steps']} steps{how}, acceptance of the "
+              f"drafting steps {out['acceptance_lengths']}")
     for s in summary["stages"]:
         share = s["bytes_read"] / s["checkpoint_bytes"] if s["checkpoint_bytes"] else 0.0
         print(f"  stage {s['rank']}: layers [{s['start_layer']}, {s['end_layer']}), read {share:.0%} of the target checkpoint")
