@@ -297,3 +297,19 @@ def test_adaptive_policy_is_lossless_and_resumes_drafting_with_full_context(
         for o in result["outputs"]
     ]
     assert any(resumed), "no speculative step followed a plain one"
+
+
+@pytest.mark.timeout(300)
+def test_sliding_window_model_runs_one_forward_per_sequence_and_stays_lossless(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A window shorter than the outputs: holes cannot be masked in a sliding window, so every sequence
+    runs as its own forward (``batched_forwards`` false), several sequences and micro-batches at P = 2."""
+    target = write_tiny_target(tmp_path / "mistral", "mistral", num_layers=4, seed=12, sliding_window=6)
+    draft = write_tiny_draft(tmp_path / "draft", AutoConfig.from_pretrained(target), format="B", seed=13)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p, "max_new_tokens": m}) + "\n" for p, m in PROMPTS))
+    result = generate(capsys, "--target", str(target), "--draft", str(draft), "--pp", "2", "--prompts-file", str(path),
+                      "--num-spec-tokens", "3")
+    assert result["batched_forwards"] is False and result["micro_batches"] == 2
+    check_against_oracles(result, target, draft, PROMPTS, 3)

@@ -80,8 +80,15 @@ class StageCache(DynamicCache):
             max_length = max(length + max_length, 0)
         if max_length > length:
             raise ValueError(f"cannot crop the stage cache to {max_length} positions: it holds {length}")
-        if max_length == length and not self.record_past:
-            return  # nothing to drop; transformers' crop(0) would refuse on a full sliding window
+        if max_length == length:
+            # Nothing to drop. A recording sliding-window layer still trims the past it kept for rollback
+            # (transformers' crop(0)); full-attention layers are left alone (crop(0) means "keep 0" in
+            # some 5.x releases).
+            if self.record_past:
+                for idx in range(self.start_layer, self.end_layer):
+                    if isinstance(self.layers[idx], DynamicSlidingWindowLayer):
+                        self.layers[idx].crop(0)
+            return
         if DummyLayer is not None:
             super().crop(max_length - length)
             return

@@ -157,8 +157,8 @@ class RowBatch:
         a compaction costs one copy of the cache, which every forward of a DynamicCache already pays."""
         used = self.valid.any(dim=0).nonzero()
         length = int(used.max()) + 1 if used.numel() else 0
-        if length < self.slots:
-            self.cache.crop(length)
+        if length < self.slots or getattr(self.cache, "record_past", False):
+            self.cache.crop(length)  # at equal length this only trims what sliding-window layers recorded
             self.valid = self.valid[:, :length]
         longest = int(self.valid.sum(dim=1).max()) if self.size else 0
         if self.slots > longest + max(8, longest // 4):

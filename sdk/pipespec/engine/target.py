@@ -180,10 +180,12 @@ class TargetStage:
             )
         return keys
 
-    def new_cache(self) -> Any:
+    def new_cache(self, record_past: bool = False) -> Any:
+        """A fresh ``StageCache`` for this stage; ``record_past`` keeps sliding-window layers able to roll
+        back past their window (speculative decoding crops rejected positions after every step)."""
         from pipespec.stage_cache import new_stage_cache
 
-        return new_stage_cache(self.decoder)
+        return new_stage_cache(self.decoder, record_past=record_past)
 
     @torch.no_grad()
     def forward(

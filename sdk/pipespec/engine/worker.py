@@ -275,7 +275,7 @@ class StageRunner:
     def _prefill(self, rows: list[int], speculate: bool) -> tuple[RowBatch, list[stepmsg.SeqUpdate] | None]:
         """Prefill newly admitted sequences as one batch (right-padded prompts): the new batch, and
         their updates on the last stage."""
-        batch = RowBatch(self.target.new_cache(), rows, self.ctx.device, self.mask_dtype)
+        batch = RowBatch(self.target.new_cache(record_past=self.k > 0), rows, self.ctx.device, self.mask_dtype)
         prompts = [list(self.seqs[r].request.prompt_ids) for r in rows]
         out = self._forward(batch, prompts, [0] * len(rows))
         if out is None:
@@ -426,7 +426,7 @@ class StageRunner:
         """
         started = time.perf_counter()
         rows = min(self.slots, self.scheduler.capacity) if self.batched else 1
-        batch = RowBatch(self.target.new_cache(), list(range(-rows, 0)), self.ctx.device, self.mask_dtype)
+        batch = RowBatch(self.target.new_cache(record_past=self.k > 0), list(range(-rows, 0)), self.ctx.device, self.mask_dtype)
         with torch.inference_mode():
             out = self._forward(batch, [[0, 0]] * rows, [0] * rows)
             if out is not None and self.k:
