@@ -387,7 +387,8 @@ class StageRunner:
             result = self._verify(batch, speculate)
             if result is not None:
                 by_request.update(zip(batch.rows, result))
-        for rows in ([new] if self.batched else [[r] for r in new]) if new else []:
+        prefills = [new] if self.batched else [[r] for r in new]
+        for rows in prefills if new else []:
             batch, result = self._prefill(rows, speculate)
             if result is not None:
                 by_request.update(zip(rows, result))
