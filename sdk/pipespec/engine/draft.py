@@ -62,7 +62,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -165,22 +165,39 @@ class RMSNorm(nn.Module):
 def _long_on(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """Host integers as an int64 tensor on ``device``; to CUDA via pinned memory without a stream sync."""
     host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cpu":
+        return host
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
 
 
+class _Counts(NamedTuple):
+    """A parsed ``num_valid``.
+
+    ``device``: the per-row counts on the cache's device, or None when every row counts all ``T`` new
+    positions (known on the host: nothing to copy, the lengths advance by ``T``). ``host``: the same counts
+    as host integers when known. ``last``: when asked for and the counts are ragged host integers, the
+    flat index ``b·T + n_b − 1`` of each row's last valid position (copied to the device with the counts).
+    """
+
+    device: torch.Tensor | None
+    host: list[int] | None
+    last: torch.Tensor | None
+
+
 def _valid_counts(
     num_valid: torch.Tensor | Sequence[int] | None, batch: int, steps: int, device: torch.device, *, minimum: int,
-) -> tuple[torch.Tensor, list[int] | None] | None:
-    """``num_valid`` as (device tensor, host list or None); host values are checked against ``[minimum, steps]``."""
+    want_last: bool = False,
+) -> _Counts | None:
+    """Parse ``num_valid``; host values are checked against ``[minimum, steps]``, a device tensor is used as is."""
     if num_valid is None:
         return None
     if isinstance(num_valid, torch.Tensor) and num_valid.device.type != "cpu":
         if tuple(num_valid.shape) != (batch,):
             raise ValueError(f"num_valid has shape {tuple(num_valid.shape)}, expected ({batch},): one count per row")
         counts = num_valid if num_valid.dtype == torch.long else num_valid.long()
-        return (counts if counts.device == device else counts.to(device)), None
+        return _Counts(counts if counts.device == device else counts.to(device), None, None)
     if isinstance(num_valid, torch.Tensor):
         if num_valid.dim() != 1:
             raise ValueError(f"num_valid has shape {tuple(num_valid.shape)}, expected ({batch},): one count per row")
@@ -191,7 +208,12 @@ def _valid_counts(
         raise ValueError(f"num_valid has {len(host)} entries, expected {batch}: one count per row")
     if any(not minimum <= n <= steps for n in host):
         raise ValueError(f"num_valid {host} must lie in [{minimum}, {steps}] for every row ({steps} new positions)")
-    return _long_on(host, device), host
+    if all(n == steps for n in host):
+        return _Counts(None, host, None)
+    if not want_last:
+        return _Counts(_long_on(host, device), host, None)
+    both = _long_on(host + [b * steps + n - 1 for b, n in enumerate(host)], device)
+    return _Counts(both[:batch], host, both[batch:])
 
 
 def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
@@ -236,6 +258,7 @@ class DraftKVCache:
         self._host = host
         self.max_length = max_length
         self._slot_ids: torch.Tensor | None = None  # arange over slots on the cache's device, grown lazily
+        self._row_ids: tuple[torch.Tensor, torch.Tensor] | None = None  # arange(B) as [B] and [B, 1], kept
 
     @classmethod
     def _of(
@@ -382,43 +405,46 @@ class DraftKVCache:
     ) -> torch.Tensor:
         """Store ``[B, kvh, T, d]`` new entries; return their slot indices ``[B, T]`` (pre-advance)."""
         steps = key.shape[2]
+        counts = _valid_counts(num_valid, self.batch_size, steps, self.device, minimum=0)
+        self.reserve(steps)
         slots = self._lengths[:, None] + self.slot_ids(steps)
-        self._append(key, value, slots, _valid_counts(num_valid, self.batch_size, steps, self.device, minimum=0))
+        self._put(key.transpose(1, 2), value.transpose(1, 2), slots)
+        self._advance(steps, counts)
         return slots
 
-    def _append(
-        self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-        valid: tuple[torch.Tensor, list[int] | None] | None,
-    ) -> int:
-        """Scatter entries to ``slots [B, T]``, advance lengths; return the attention span for this write."""
-        bsz, _, steps, _ = key.shape
-        self.reserve(steps)
-        index = slots.reshape(bsz, 1, steps, 1).expand_as(key)
-        self.key.scatter_(2, index, key if key.dtype == self.key.dtype else key.to(self.key.dtype))
-        self.value.scatter_(2, index, value if value.dtype == self.value.dtype else value.to(self.value.dtype))
-        span = self.max_length + steps
-        if valid is None:
+    def _rows(self, flat: bool) -> torch.Tensor:
+        """``arange(B)`` on the cache's device: ``[B]`` (``flat``) or ``[B, 1]``; made once per cache."""
+        rows = self._row_ids
+        if rows is None:
+            ids = torch.arange(self.batch_size, device=self.key.device)
+            rows = self._row_ids = (ids, ids.unsqueeze(1))
+        return rows[0] if flat else rows[1]
+
+    def _put(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store ``key``/``value`` ``[B, T, kvh, d]`` at ``slots [B, T]``, or ``[B, kvh, d]`` at ``slots [B]``.
+
+        One ``index_put_`` per tensor: the entries go in their projection layout (no transpose, no index
+        expansion). Slots must fit the capacity (``reserve``); lengths are not advanced (``_advance``).
+        """
+        index = [self._rows(slots.dim() == 1), None, slots]
+        dtype = self.key.dtype
+        torch.ops.aten.index_put_(self.key, index, key if key.dtype == dtype else key.to(dtype))
+        torch.ops.aten.index_put_(self.value, index, value if value.dtype == dtype else value.to(dtype))
+
+    def _advance(self, steps: int, counts: _Counts | None) -> None:
+        """Count ``steps`` newly written positions for every row, or ``counts`` of them where given."""
+        if counts is None or counts.device is None:
             self._lengths = self._lengths + steps
             self._host = None if self._host is None else [n + steps for n in self._host]
-            self.max_length = span
-            return span
-        counts, host_counts = valid
-        self._lengths = self._lengths + counts
-        if self._host is not None and host_counts is not None:
-            self._host = [n + c for n, c in zip(self._host, host_counts, strict=True)]
+            self.max_length += steps
+            return
+        self._lengths = self._lengths + counts.device
+        if self._host is not None and counts.host is not None:
+            self._host = [n + c for n, c in zip(self._host, counts.host, strict=True)]
             self.max_length = max(self._host, default=0)
         else:
             self._host = None
-            self.max_length = span
-        return span
-
-    def _snapshot(self) -> tuple[torch.Tensor, int, list[int] | None]:
-        # Safe without copies: lengths tensors and host lists are replaced on update, never mutated.
-        return self._lengths, self.max_length, self._host
-
-    def _restore(self, state: tuple[torch.Tensor, int, list[int] | None]) -> None:
-        """Roll back to a snapshot taken by this cache (no validation, no device sync)."""
-        self._lengths, self.max_length, self._host = state
+            self.max_length += steps
 
 
 class Eagle3DraftLayer(nn.Module):
@@ -506,8 +532,59 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) 
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+def _linear_add(residual: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``residual + x @ weight_t (+ bias)`` for 2D rows: the residual add rides in the matmul (``addmm``)."""
+    out = torch.addmm(residual, x, weight_t)
+    return out if bias is None else out + bias
+
+
+class _Norm(NamedTuple):
+    weight: torch.Tensor
+    eps: float
+
+
+class _Fused(NamedTuple):
+    """What the inference path reads, gathered once per call instead of looked up per op.
+
+    q/k/v and gate/up are concatenated (one matmul each instead of three and two), the output
+    projections are transposed views for ``addmm``, and ``target_ids`` is ``arange(draft vocab) + d2t``
+    (draft id → target id in one gather); the other tensors are the parameters themselves. Built from
+    the modules, which stay the trainable, checkpointed tensors; see ``Eagle3Draft._fused``.
+    """
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    o_t: torch.Tensor
+    o_bias: torch.Tensor | None
+    down_t: torch.Tensor
+    down_bias: torch.Tensor | None
+    target_ids: torch.Tensor
+    fc: torch.Tensor
+    lm_head: torch.Tensor
+    input_norm: _Norm
+    hidden_norm: _Norm
+    post_norm: _Norm
+    final_norm: _Norm
+    act: nn.Module
+    heads: int
+    kv_heads: int
+    head_dim: int
+    norm_before_residual: bool
+
+
 class Eagle3Draft(nn.Module):
-    """EAGLE3 draft head. Parameter names match Format A (``midlayer.*``); see ``draft_checkpoint``."""
+    """EAGLE3 draft head. Parameter names match Format A (``midlayer.*``); see ``draft_checkpoint``.
+
+    ``forward``, ``extend`` and ``propose`` run one fused implementation of the layer over 2D rows
+    (``B·T`` of them): one q/k/v matmul, one gate/up matmul, residual adds inside ``addmm``, one
+    ``rms_norm`` op per norm, rotary factors gathered from a per-position table, cache writes with one
+    ``index_put_`` each, and grouped-query attention with the query heads of a key/value head as extra
+    query rows (no expanded key/value copies). The per-module helpers (``Eagle3DraftLayer.qkv``,
+    ``finish``, ``attend``, ``rotary``, ``logits``) compute the same layer the plain way; training code
+    (``bench/train_demo.py``) uses them.
+    """
 
     def __init__(self, config: Eagle3DraftConfig, with_embedding: bool = False) -> None:
         super().__init__()
@@ -536,6 +613,7 @@ class Eagle3Draft(nn.Module):
         # those keep going through the module; every other type uses the fixed frequencies directly.
         rope_type = str(rotary.rope_type)
         self.__dict__["_rope_fixed"] = "dynamic" not in rope_type and rope_type != "longrope"
+        self.__dict__["_rope_tab"] = None
 
     # ------------------------------------------------------------------------------ pieces
     def _aux_features(self, aux: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
@@ -553,15 +631,37 @@ class Eagle3Draft(nn.Module):
         return self.fc(self._aux_features(aux))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        embed = self.embed_tokens
+        return self._embed_rows(input_ids, self.fc.weight.dtype)
+
+    def _embed_rows(self, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        embed = self._modules.get("embed_tokens")
         if embed is None:
             raise RuntimeError(
                 "the draft has no embed_tokens: load one from the checkpoint or share the target's input "
                 "embedding with pipespec.embed.maybe_share_target_embed(draft, target_embed)"
             )
         out = embed(input_ids)
-        dtype = self.fc.weight.dtype
         return out if out.dtype == dtype else out.to(dtype)
+
+    def _rotary_module(self, device: torch.device) -> LlamaRotaryEmbedding:
+        rotary: LlamaRotaryEmbedding = self.__dict__["_rotary"]
+        if rotary.inv_freq.device != device:
+            rotary.to(device)
+        return rotary
+
+    def _fixed_cos_sin(
+        self, rotary: LlamaRotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fixed-frequency cos/sin ``[..., d]`` of integer ``positions [...]``, as transformers computes them."""
+        freqs = positions.unsqueeze(-1).float() * rotary.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        scaling = rotary.attention_scaling
+        if scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
+        if dtype != torch.float32:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
 
     def rotary(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[B, T, d]`` for integer ``positions [B, T]``: transformers' Llama rotary, bit for bit.
@@ -569,20 +669,47 @@ class Eagle3Draft(nn.Module):
         The frequencies move to ``like``'s device once (on first use there); for fixed-frequency rope types
         the cos/sin come straight from them, without the module call's no-op casts.
         """
-        rotary: LlamaRotaryEmbedding = self.__dict__["_rotary"]
-        if rotary.inv_freq.device != like.device:
-            rotary.to(like.device)
+        rotary = self._rotary_module(like.device)
         if not self.__dict__["_rope_fixed"]:
             return rotary(like, positions)
-        freqs = positions.unsqueeze(-1).float() * rotary.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        scaling = rotary.attention_scaling
-        if scaling != 1.0:
-            cos, sin = cos * scaling, sin * scaling
-        if like.dtype != torch.float32:
-            cos, sin = cos.to(like.dtype), sin.to(like.dtype)
-        return cos, sin
+        return self._fixed_cos_sin(rotary, positions, like.dtype)
+
+    def _rope_factors(
+        self, like: torch.Tensor, positions: torch.Tensor, size: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin ``[N, 1, d]`` (as ``rotary_factors`` gives) for the rows of ``positions``.
+
+        Fixed-frequency rope types with a host bound ``size`` on the positions gather both factors with one
+        op from a table of positions ``0 .. size-1`` (computed once per device and dtype, as ``rotary`` does,
+        grown by doubling); other types, or positions without a bound, compute them per call.
+        """
+        table = self._rope_table(like, size) if size is not None and self.__dict__["_rope_fixed"] else None
+        if table is None:
+            grid = positions if positions.dim() == 2 else positions.unsqueeze(1)
+            cos, signed = rotary_factors(*self.rotary(like, grid))
+            head_dim = cos.shape[-1]
+            return cos.reshape(-1, 1, head_dim), signed.reshape(-1, 1, head_dim)
+        flat = positions if positions.dim() == 1 else positions.reshape(-1)
+        cos, signed = table.index_select(0, flat).unbind(1)
+        return cos, signed
+
+    def _rope_table(self, like: torch.Tensor, size: int) -> torch.Tensor:
+        """``[P, 2, 1, d]``: (cos, sign-folded sin) of positions ``0 .. P-1`` with ``P >= size``."""
+        table: torch.Tensor | None = self.__dict__["_rope_tab"]
+        same = table is not None and table.device == like.device and table.dtype == like.dtype
+        if table is not None and same and table.shape[0] >= size:
+            return table
+        if table is not None and same:
+            size = max(size, 2 * table.shape[0])
+        rotary = self._rotary_module(like.device)
+        # Plain tensors even when first built inside inference_mode: training forwards read the table too.
+        with torch.inference_mode(False), torch.no_grad():
+            cos, sin = self._fixed_cos_sin(rotary, torch.arange(size, device=like.device), like.dtype)
+            half = sin.shape[-1] // 2
+            signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+            table = torch.stack((cos, signed), dim=1).unsqueeze(2)
+        self.__dict__["_rope_tab"] = table
+        return table
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of pre-norm hidden states."""
@@ -602,6 +729,74 @@ class Eagle3Draft(nn.Module):
             batch_size, layer.num_kv_heads, layer.head_dim, capacity=capacity, dtype=weight.dtype, device=weight.device
         )
 
+    # ----------------------------------------------------------------------------- fused weights
+    def _fused_sources(self) -> tuple[torch.Tensor, ...]:
+        # Straight from the modules' dicts: nn.Module attribute lookups would cost more than the check itself.
+        modules: Any = self._modules
+        layer = modules["midlayer"]._modules
+        attn, mlp = layer["self_attn"]._modules, layer["mlp"]._modules
+        linears = (attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"], mlp["gate_proj"], mlp["up_proj"],
+                   mlp["down_proj"], modules["fc"], modules["lm_head"])
+        norms = (layer["input_layernorm"], layer["hidden_norm"], layer["post_attention_layernorm"], modules["norm"])
+        params = [m._parameters for m in linears]
+        return (
+            *(p["weight"] for p in params), *(p["bias"] for p in params if p.get("bias") is not None),
+            *(m._parameters["weight"] for m in norms), self._buffers["d2t"],
+        )
+
+    def _build_fused(self) -> _Fused:
+        layer = self.midlayer
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        d2t = self.d2t
+
+        def norm(module: RMSNorm) -> _Norm:
+            return _Norm(module.weight, float(module.eps))
+
+        return _Fused(
+            qkv=torch.cat((q.weight, k.weight, v.weight)),
+            qkv_bias=None if q.bias is None else torch.cat((q.bias, k.bias, v.bias)),
+            gate_up=torch.cat((gate.weight, up.weight)),
+            gate_up_bias=None if gate.bias is None else torch.cat((gate.bias, up.bias)),
+            o_t=o.weight.t(), o_bias=o.bias, down_t=down.weight.t(), down_bias=down.bias,
+            target_ids=torch.arange(d2t.shape[0], device=d2t.device) + d2t,
+            fc=self.fc.weight, lm_head=self.lm_head.weight,
+            input_norm=norm(layer.input_layernorm), hidden_norm=norm(layer.hidden_norm),
+            post_norm=norm(layer.post_attention_layernorm), final_norm=norm(self.norm), act=layer.act,
+            heads=layer.num_heads, kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
+            norm_before_residual=layer.norm_before_residual,
+        )
+
+    def _fused(self) -> _Fused:
+        """The fused weights, current with the parameters.
+
+        With gradients enabled they are concatenated afresh on every call (differentiable: training through
+        ``forward`` reaches the module parameters). Without, they are kept and reused while every source
+        tensor has the same storage and version counter as when they were built: any in-place update
+        (optimizer step, ``load_state_dict``, ``copy_``) bumps the version, any ``.to()`` or reassignment
+        changes the storage. The kept entry holds its sources' storages, so an address cannot be reused
+        by a new tensor while it is compared against; checking costs a few host reads, no device op.
+        Parameters created inside ``inference_mode`` track no version: then nothing is kept.
+        """
+        if torch.is_grad_enabled():
+            return self._build_fused()
+        sources = self._fused_sources()
+        try:
+            versions = tuple(s._version for s in sources)
+        except RuntimeError:  # inference tensors: in-place updates would go unseen, so build every time
+            versions = None
+        entry = self.__dict__.get("_fused_entry")
+        if versions is not None and entry is not None and entry[2] == versions and all(
+            s.data_ptr() == h.data_ptr() for s, h in zip(sources, entry[1], strict=True)
+        ):
+            return entry[0]
+        with torch.inference_mode(False), torch.no_grad():
+            fused = self._build_fused()
+        if versions is not None:
+            self.__dict__["_fused_entry"] = (fused, tuple(s.detach() for s in sources), versions)
+        return fused
+
     # ----------------------------------------------------------------------------- forward
     def forward(
         self,
@@ -618,40 +813,117 @@ class Eagle3Draft(nn.Module):
         appended (``num_valid[b]`` of them count for row ``b``); without one the block is causal on its
         own with ``position_ids`` (default ``0..T-1``).
         """
-        valid = None
+        bsz, steps = input_ids.shape
+        counts = None
         if cache is not None:
-            valid = _valid_counts(num_valid, cache.batch_size, input_ids.shape[1], cache.device, minimum=0)
-        return self._forward(input_ids, hidden_states, cache, valid, position_ids)
-
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        hidden_states: torch.Tensor,
-        cache: DraftKVCache | None,
-        valid: tuple[torch.Tensor, list[int] | None] | None,
-        position_ids: torch.Tensor | None,
-    ) -> torch.Tensor:
-        embeds = self.embed(input_ids)
+            counts = _valid_counts(num_valid, cache.batch_size, steps, cache.device, minimum=0)
         dtype = self.fc.weight.dtype
         hidden = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
-        bsz, steps, _ = hidden.shape
-        if cache is not None:
-            # One step per draft token: the positions are the lengths themselves (no arange, no add).
-            positions = cache.lengths.unsqueeze(1) if steps == 1 else cache.lengths.unsqueeze(1) + cache.slot_ids(steps)
-        elif position_ids is not None:
-            positions = position_ids
-        else:
-            positions = torch.arange(steps, device=hidden.device).expand(bsz, steps)
-        layer = self.midlayer
-        residual, q, k, v = layer.rotated_qkv(embeds, hidden, *rotary_factors(*self.rotary(hidden, positions)))
+        out = self._pass(self._fused(), input_ids, hidden.reshape(bsz * steps, -1), cache, counts, position_ids)
+        return out.view(bsz, steps, -1)
+
+    def _pass(
+        self,
+        f: _Fused,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        cache: DraftKVCache | None,
+        counts: _Counts | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``forward`` on 2D rows: ``input_ids [B, T]``, ``hidden [B·T, H]`` → ``[B·T, H]``; advances ``cache``."""
+        bsz, steps = input_ids.shape
+        ids = input_ids.reshape(-1)
         if cache is None:
-            keys, values, key_pos = k, v, positions.unsqueeze(1)
+            size: int | None = steps
+            if position_ids is None:
+                positions = torch.arange(steps, device=hidden.device).expand(bsz, steps)
+            else:
+                positions, size = position_ids.expand(bsz, steps), None
+            if steps == 1:
+                positions = positions.reshape(bsz)
+            return self._layer(f, ids, hidden, bsz, steps, positions, None, steps, steps > 1, size)
+        cache.reserve(steps)
+        host = cache._host
+        # One key span serves every row unmasked only when all rows are known to hold the same length.
+        masked = steps > 1 or host is None or any(n != host[0] for n in host)
+        lengths = cache.lengths
+        positions = lengths if steps == 1 else lengths.unsqueeze(1) + cache.slot_ids(steps)
+        out = self._layer(f, ids, hidden, bsz, steps, positions, cache, cache.max_length + steps, masked, cache.capacity)
+        cache._advance(steps, counts)
+        return out
+
+    def _layer(
+        self,
+        f: _Fused,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        bsz: int,
+        steps: int,
+        positions: torch.Tensor,
+        cache: DraftKVCache | None,
+        span: int,
+        masked: bool,
+        table_size: int | None,
+    ) -> torch.Tensor:
+        """The decoder layer over ``N = B·T`` rows (row ``b·T + t``): ``ids [N]``, ``hidden [N, H]`` → ``[N, H]``.
+
+        ``positions`` are ``[B]`` when ``T == 1``, else ``[B, T]``. With a ``cache`` the new keys/values are
+        stored at those slots (lengths untouched) and the queries read slots ``[0, span)``, masked by position
+        when ``masked`` (without a mask every row must see exactly that span); without a cache the block
+        attends to itself, causally by position. ``table_size`` bounds the positions for the rotary table
+        (None: compute the factors directly).
+        """
+        heads, kv_heads, head_dim = f.heads, f.kv_heads, f.head_dim
+        groups = heads // kv_heads
+        shape = (hidden.shape[-1],)
+        normed = F.rms_norm(hidden, shape, *f.hidden_norm)
+        x = torch.cat((F.rms_norm(self._embed_rows(ids, hidden.dtype), shape, *f.input_norm), normed), dim=-1)
+        residual = normed if f.norm_before_residual else hidden
+        projected = F.linear(x, f.qkv, f.qkv_bias).view(-1, heads + 2 * kv_heads, head_dim)
+        cos, signed_sin = self._rope_factors(hidden, positions, table_size)
+        # Rotated over all heads of the contiguous projection (CUDA's roll copies a strided input first);
+        # the value heads' rotation is dropped.
+        rotated = torch.addcmul(projected * cos, projected.roll(head_dim // 2, -1), signed_sin)
+        q, k, _ = rotated.split((heads, kv_heads, kv_heads), dim=1)
+        v = projected[:, heads + kv_heads :]
+
+        # Grouped-query attention without expanding keys/values: the query heads sharing a key/value head
+        # are rows of that head's query block, ordered (group, step); the mask is repeated to match.
+        if steps == 1:
+            query = q.view(bsz, kv_heads, groups, head_dim)
+            query_pos = positions.reshape(bsz, 1, 1, 1) if masked else None
         else:
-            span = cache._append(k, v, positions, valid)
-            keys, values, key_pos = cache.key.narrow(2, 0, span), cache.value.narrow(2, 0, span), cache.slot_ids(span)
-        # Causal by position: each query sees every stored position up to its own.
-        mask = (key_pos <= positions.unsqueeze(2)).unsqueeze(1)
-        return layer.finish(residual, layer.attend(q, keys, values, mask))
+            query = q.view(bsz, steps, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
+            query = query.reshape(bsz, kv_heads, groups * steps, head_dim)
+            by_row = positions.repeat(1, groups) if groups > 1 else positions
+            query_pos = by_row.reshape(bsz, 1, groups * steps, 1) if masked else None
+        if cache is not None:
+            if steps == 1:
+                cache._put(k, v, positions)
+            else:
+                cache._put(k.view(bsz, steps, kv_heads, head_dim), v.view(bsz, steps, kv_heads, head_dim), positions)
+            keys, values = cache.key.narrow(2, 0, span), cache.value.narrow(2, 0, span)
+            mask = None if query_pos is None else cache.slot_ids(span) <= query_pos
+        else:
+            keys = k.view(bsz, steps, kv_heads, head_dim).transpose(1, 2)
+            values = v.view(bsz, steps, kv_heads, head_dim).transpose(1, 2)
+            mask = None if query_pos is None else positions.reshape(bsz, 1, 1, steps) <= query_pos
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+        if steps == 1:
+            attn = out.reshape(bsz, heads * head_dim)
+        else:
+            attn = out.view(bsz, kv_heads, groups, steps, head_dim).permute(0, 3, 1, 2, 4)
+            attn = attn.reshape(bsz * steps, heads * head_dim)
+
+        hidden = _linear_add(residual, attn, f.o_t, f.o_bias)
+        gate, up = F.linear(F.rms_norm(hidden, shape, *f.post_norm), f.gate_up, f.gate_up_bias).chunk(2, dim=-1)
+        return _linear_add(hidden, f.act(gate) * up, f.down_t, f.down_bias)
+
+    def _greedy(self, f: _Fused, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy target ids ``[N]`` of pre-norm rows ``[N, H]``."""
+        normed = F.rms_norm(hidden, (hidden.shape[-1],), *f.final_norm)
+        return f.target_ids.take(F.linear(normed, f.lm_head).argmax(dim=-1))
 
     # ----------------------------------------------------------------------------- the engine's calls
     def _extend(
@@ -662,8 +934,9 @@ class Eagle3Draft(nn.Module):
         num_valid: torch.Tensor | Sequence[int] | None,
         *,
         minimum: int,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, list[int] | None] | None]:
-        """The first pass over verified positions: (pre-norm outputs ``[B, T, H]``, the parsed counts)."""
+        want_last: bool,
+    ) -> tuple[torch.Tensor, _Counts | None, _Fused]:
+        """The first pass over verified positions: (pre-norm outputs ``[B·T, H]``, the parsed counts, weights)."""
         if next_ids.dim() != 2 or next_ids.shape[0] != cache.batch_size:
             raise ValueError(f"next_ids has shape {tuple(next_ids.shape)}, expected (batch={cache.batch_size}, T)")
         features = self._aux_features(aux)
@@ -672,8 +945,11 @@ class Eagle3Draft(nn.Module):
                 f"aux states cover (batch, positions) = {tuple(features.shape[:2])} but next_ids has shape "
                 f"{tuple(next_ids.shape)}"
             )
-        valid = _valid_counts(num_valid, cache.batch_size, next_ids.shape[1], cache.device, minimum=minimum)
-        return self._forward(next_ids, self.fc(features), cache, valid, None), valid
+        bsz, steps = next_ids.shape
+        counts = _valid_counts(num_valid, bsz, steps, cache.device, minimum=minimum, want_last=want_last)
+        f = self._fused()
+        hidden = F.linear(features.reshape(bsz * steps, -1), f.fc)
+        return self._pass(f, next_ids, hidden, cache, counts, None), counts, f
 
     @torch.no_grad()
     def extend(
@@ -690,7 +966,7 @@ class Eagle3Draft(nn.Module):
         """
         if next_ids.dim() == 2 and next_ids.shape[1] == 0:
             return
-        self._extend(aux, next_ids, cache, num_valid, minimum=0)
+        self._extend(aux, next_ids, cache, num_valid, minimum=0, want_last=False)
 
     @torch.no_grad()
     def propose(
@@ -713,19 +989,31 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         if next_ids.dim() == 2 and next_ids.shape[1] == 0:
             raise ValueError("propose needs at least one new verified position (next_ids has T = 0); use extend")
-        out, valid = self._extend(aux, next_ids, cache, num_valid, minimum=1)
-        bsz, steps, hidden_size = out.shape
-        if valid is None or (valid[1] is not None and all(n == steps for n in valid[1])):
-            last = out[:, -1:]
-        else:
-            index = (valid[0] - 1).clamp(min=0).view(bsz, 1, 1).expand(bsz, 1, hidden_size)
-            last = out.gather(1, index)
-        verified = cache._snapshot()
-        token = self.greedy_target_ids(last)
+        out, counts, f = self._extend(aux, next_ids, cache, num_valid, minimum=1, want_last=True)
+        bsz, steps = next_ids.shape
+        if steps == 1:
+            last = out
+        elif counts is None or counts.device is None:
+            last = out[steps - 1 :: steps]
+        elif counts.last is not None:
+            last = out.index_select(0, counts.last)
+        else:  # counts on the device, unvalidated: clamp rather than index out of range
+            last = out.index_select(0, (counts.device - 1).clamp(min=0) + cache._rows(True) * steps)
+        token = self._greedy(f, last)
+        if num_tokens == 1:
+            return token.unsqueeze(1)
+        # Draft steps write their keys/values past every row's length and attend through an explicit span;
+        # the cache's lengths never move, so it holds exactly the verified positions afterwards.
+        cache.reserve(num_tokens - 1)
+        host = cache._host
+        masked = host is None or any(n != host[0] for n in host)
+        position, span = cache.lengths, cache.max_length
         drafts = [token]
-        for _ in range(num_tokens - 1):
-            last = self._forward(token, last, cache, None, None)
-            token = self.greedy_target_ids(last)
+        for i in range(num_tokens - 1):
+            if i:
+                position = position + 1
+            span += 1
+            last = self._layer(f, token, last, bsz, 1, position, cache, span, masked, cache.capacity)
+            token = self._greedy(f, last)
             drafts.append(token)
-        cache._restore(verified)
-        return token if num_tokens == 1 else torch.cat(drafts, dim=1)
+        return torch.stack(drafts, dim=1)
