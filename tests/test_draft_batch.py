@@ -336,3 +336,259 @@ def test_rotary_is_transformers_bit_for_bit(rope: str, dtype: torch.dtype) -> No
     got_q = _apply_rotary(q.transpose(1, 2), cos_f, sin_f).transpose(1, 2)
     got_k = _apply_rotary(k.transpose(1, 2), cos_f, sin_f).transpose(1, 2)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+# ------------------------------------------------------------------------------------------ fused inference path
+def _plain_forward(draft: Eagle3Draft, ids: torch.Tensor, hidden: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
+    """One causal pass through the draft's per-module helpers: separate q/k/v and gate/up projections,
+    transformers' rotary, repeated key/value heads. Shares no code with the fused path of ``forward``."""
+    layer = draft.midlayer
+    bsz, steps = ids.shape
+    if positions is None:
+        positions = torch.arange(steps).expand(bsz, steps)
+    residual, q, k, v = layer.qkv(draft.embed(ids), hidden, *draft.rotary(hidden, positions))
+    mask = (positions[:, None, :] <= positions[:, :, None]).unsqueeze(1)
+    return layer.finish(residual, layer.attend(q, k, v, mask))
+
+
+def _plain_chain(draft: Eagle3Draft, ids: torch.Tensor, feats: torch.Tensor, k: int) -> list[int]:
+    """Greedy drafts of one row by recomputing the whole sequence with ``_plain_forward`` after each step."""
+    with torch.no_grad():
+        hidden = draft.combine_aux(feats)
+        drafts: list[int] = []
+        for _ in range(k):
+            out = _plain_forward(draft, ids, hidden)
+            token = draft.greedy_target_ids(out[:, -1:])
+            drafts.append(int(token))
+            ids, hidden = torch.cat((ids, token), dim=1), torch.cat((hidden, out[:, -1:]), dim=1)
+    return drafts
+
+
+FUSED_VARIANTS: dict[str, dict[str, Any]] = {
+    "gqa": {},
+    "mha": {"num_key_value_heads": 4},
+    "mqa": {"num_key_value_heads": 1},
+    "biases": {"attention_bias": True, "mlp_bias": True},
+    "norm-before-residual": {"norm_before_residual": True},
+    "dynamic-rope": ROPES["dynamic"],
+    "yarn-rope": ROPES["yarn"],
+}
+
+
+def _variant(name: str, seed: int = 0) -> Eagle3Draft:
+    layer = dict(FUSED_VARIANTS[name])
+    heads = layer.pop("num_key_value_heads", 2)
+    target = LlamaConfig(hidden_size=AUX, vocab_size=80, num_hidden_layers=6, rms_norm_eps=1e-5)
+    return make_random_draft(
+        target, num_aux=3, with_embedding=True, num_attention_heads=4, num_key_value_heads=heads, draft_vocab_size=50,
+        seed=seed, max_position_embeddings=64, **layer,
+    ).eval()
+
+
+@pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
+def test_fused_path_matches_the_module_helpers(variant: str) -> None:
+    """forward (whole block, explicit positions, cached chunks with ragged rows) and propose agree with the
+    plain per-module computation for every layer shape the fused path special-cases."""
+    draft = _variant(variant, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    ids, feats = torch.randint(0, 80, (2, 9), generator=gen), torch.randn(2, 9, 3 * AUX, generator=gen)
+    with torch.no_grad():
+        hidden = draft.combine_aux(feats)
+        want = _plain_forward(draft, ids, hidden)
+        torch.testing.assert_close(draft(ids, hidden), want, atol=ATOL, rtol=0)
+        shifted = torch.arange(9).expand(2, 9) + torch.tensor([[3], [11]])
+        torch.testing.assert_close(draft(ids, hidden, position_ids=shifted), _plain_forward(draft, ids, hidden, shifted),
+                                   atol=ATOL, rtol=0)
+        # Row 0 takes 4 then 5 positions, row 1 takes 2, 1, then 6 (padding past its count in each call).
+        cache = draft.new_cache(2, capacity=4)
+        out0 = [draft(ids[:, :4], hidden[:, :4], cache, num_valid=[4, 2])]
+        row1 = [out0[0][1, :2]]
+        out1 = draft(torch.stack([ids[0, 4:5], ids[1, 2:3]]), torch.stack([hidden[0, 4:5], hidden[1, 2:3]]), cache,
+                     num_valid=[0, 1])
+        row1.append(out1[1])
+        out2 = draft(torch.stack([torch.cat([ids[0, 4:], ids[0, :1]]), ids[1, 3:]]),
+                     torch.stack([torch.cat([hidden[0, 4:], hidden[0, :1]]), hidden[1, 3:]]), cache, num_valid=[5, 6])
+        row1.append(out2[1, :6])
+    assert cache.lengths.tolist() == [9, 9] and cache.host_lengths == (9, 9)
+    torch.testing.assert_close(torch.cat([out0[0][0], out2[0, :5]]), want[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(row1), want[1], atol=ATOL, rtol=0)
+    for row in range(2):
+        fresh = draft.new_cache(1)
+        got = draft.propose(feats[row : row + 1], ids[row : row + 1], fresh, num_tokens=4)[0].tolist()
+        assert got == _plain_chain(draft, ids[row : row + 1], feats[row : row + 1], 4)
+
+
+def test_fused_path_in_bfloat16_stays_close_to_the_module_helpers() -> None:
+    draft = _draft(seed=14).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(15)
+    ids, feats = torch.randint(0, 80, (2, 7), generator=gen), torch.randn(2, 7, 3 * AUX, generator=gen)
+    with torch.no_grad():
+        hidden = draft.combine_aux(feats.to(torch.bfloat16))
+        got, want = draft(ids, hidden), _plain_forward(draft, ids, hidden)
+        cache = draft.new_cache(2)
+        stepped = torch.cat([draft(ids[:, :5], hidden[:, :5], cache)] + [
+            draft(ids[:, t : t + 1], hidden[:, t : t + 1], cache) for t in (5, 6)], dim=1)
+    assert got.dtype == torch.bfloat16 and cache.key.dtype == torch.bfloat16
+    scale = want.float().abs().max()
+    assert (got.float() - want.float()).abs().max() <= 0.02 * scale
+    assert (stepped.float() - want.float()).abs().max() <= 0.02 * scale
+
+
+def test_fused_weights_follow_every_kind_of_parameter_update() -> None:
+    """The kept fused weights are rebuilt after in-place updates (optimizer step, load_state_dict, copy_
+    into d2t), parameter reassignment and dtype conversion; the no-grad forward then matches the module
+    helpers on the updated weights."""
+    draft = _draft(seed=16)
+    gen = torch.Generator().manual_seed(17)
+    ids, feats = torch.randint(0, 80, (1, 6), generator=gen), torch.randn(1, 6, 3 * AUX, generator=gen)
+
+    def check(model: Eagle3Draft) -> torch.Tensor:
+        with torch.no_grad():
+            hidden = model.combine_aux(feats.to(model.fc.weight.dtype))
+            got = model(ids, hidden)
+            torch.testing.assert_close(got, _plain_forward(model, ids, hidden), atol=ATOL, rtol=0)
+        return got
+
+    before = check(draft)
+    # An optimizer step (in place, under no_grad) on every parameter, through a grad-mode forward.
+    optimizer = torch.optim.SGD(draft.parameters(), lr=0.5)
+    draft(ids, draft.combine_aux(feats)).square().mean().backward()
+    optimizer.step()
+    after_step = check(draft)
+    assert not torch.allclose(after_step, before, atol=1e-3)
+    # load_state_dict copies into the same tensors.
+    other = _draft(seed=18)
+    draft.load_state_dict(other.state_dict())
+    torch.testing.assert_close(check(draft), check(other), atol=0, rtol=0)
+    # A reassigned parameter (a new tensor object, as assign=True loading makes).
+    with torch.no_grad():
+        draft.midlayer.mlp.up_proj.weight = torch.nn.Parameter(draft.midlayer.mlp.up_proj.weight * -1.5)
+        draft.midlayer.self_attn.k_proj.weight = torch.nn.Parameter(draft.midlayer.self_attn.k_proj.weight.flip(0))
+    check(draft)
+    # dtype round trip: new storages each time.
+    check(draft.double())
+    check(draft.float())
+    # d2t rewritten in place: drafts follow the new mapping (the first one shifts, the rest are fed from it).
+    plain = draft.propose(feats, ids, draft.new_cache(1), num_tokens=3)
+    with torch.no_grad():
+        draft.d2t.add_(1)
+    again = draft.propose(feats, ids, draft.new_cache(1), num_tokens=3)
+    assert again[0, 0] == plain[0, 0] + 1
+    assert again[0].tolist() == _plain_chain(draft, ids, feats, 3)
+
+
+def test_forward_with_gradients_reaches_the_module_parameters() -> None:
+    """With autograd on, the fused weights are rebuilt differentiably: gradients land on q/k/v, gate/up and
+    the rest exactly where the plain per-module computation puts them."""
+    draft = _draft(seed=19).train()
+    gen = torch.Generator().manual_seed(20)
+    ids, feats = torch.randint(0, 80, (2, 5), generator=gen), torch.randn(2, 5, 3 * AUX, generator=gen)
+    names = [n for n, p in draft.named_parameters() if p.requires_grad]
+
+    def grads(run: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+        draft.zero_grad(set_to_none=True)
+        hidden = draft.combine_aux(feats)
+        draft.logits(run(hidden)).logsumexp(-1).sum().backward()
+        return {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+    fused = grads(lambda hidden: draft(ids, hidden))
+    plain = grads(lambda hidden: _plain_forward(draft, ids, hidden))
+    assert sorted(fused) == sorted(plain) == sorted(names)
+    for name in names:
+        torch.testing.assert_close(fused[name], plain[name], atol=1e-4, rtol=1e-4, msg=name)
+    assert fused["midlayer.self_attn.q_proj.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_gives_the_rotary_factors_and_grows(dtype: torch.dtype) -> None:
+    draft = _draft(**ROPES["llama3"]).to(dtype)
+    like = torch.zeros(1, 8, dtype=dtype)
+    positions = torch.tensor([0, 1, 7, 15, 16, 63])
+    cos, sin = draft._rope_factors(like, positions, 64)
+    table = draft.__dict__["_rope_tab"]
+    assert table.shape[0] == 64 and table.dtype == dtype
+    want_cos, want_sin = rotary_factors(*draft.rotary(like, positions[None]))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(cos, want_cos[0], atol=tol, rtol=0)
+    torch.testing.assert_close(sin, want_sin[0], atol=tol, rtol=0)
+    # Positions past the table grow it (at least doubling); the early rows stay what they were.
+    far = torch.tensor([[3, 100], [200, 299]])
+    cos2, sin2 = draft._rope_factors(like, far, 300)
+    grown = draft.__dict__["_rope_tab"]
+    assert grown.shape[0] == 300 and torch.equal(grown[:64], table)
+    want_cos, want_sin = rotary_factors(*draft.rotary(like, far))
+    torch.testing.assert_close(cos2, want_cos.reshape(4, 1, -1), atol=tol, rtol=0)
+    torch.testing.assert_close(sin2, want_sin.reshape(4, 1, -1), atol=tol, rtol=0)
+    draft._rope_factors(like, positions[:3], 8)
+    assert draft.__dict__["_rope_tab"] is grown  # large enough: kept
+    draft._rope_factors(like.double(), positions[:3], 8)
+    assert draft.__dict__["_rope_tab"].dtype == torch.float64  # another dtype: rebuilt
+
+
+def test_cache_write_stores_rows_at_their_own_lengths() -> None:
+    cache = DraftKVCache(3, 2, 4, capacity=4)
+    cache.crop([0, 0, 0])
+    first = torch.randn(3, 2, 3, 4)
+    slots = cache.write(first, -first, [3, 1, 2])
+    assert slots.tolist() == [[0, 1, 2]] * 3 and cache.host_lengths == (3, 1, 2)
+    second = torch.randn(3, 2, 2, 4)
+    slots = cache.write(second, -second, None)
+    assert slots.tolist() == [[3, 4], [1, 2], [2, 3]] and cache.host_lengths == (5, 3, 4) and cache.capacity >= 5
+    for row, length in enumerate((3, 1, 2)):
+        assert torch.equal(cache.key[row, :, :length], first[row, :, :length])
+        assert torch.equal(cache.key[row, :, length : length + 2], second[row])
+        assert torch.equal(cache.value[row, :, length : length + 2], -second[row])
+
+
+def _top_level_ops(run: Callable[[], Any]) -> list[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    names = []
+    for event in prof.events():
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if event.name.startswith("aten::") and parent is None:
+            names.append(event.name)
+    return names
+
+
+@pytest.mark.parametrize(("bsz", "steps", "ragged"), [(1, 1, False), (8, 4, True)])
+def test_draft_steps_stay_lean(bsz: int, steps: int, ragged: bool) -> None:
+    """One draft step is one fused layer pass: three matmuls (q/k/v, gate/up, lm_head) plus two addmm
+    (o_proj and down_proj with their residuals), no key/value head expansion, and a bounded number of
+    top-level ops (launch-bound models pay per op)."""
+    draft = _draft(seed=21)
+    gen = torch.Generator().manual_seed(22)
+    ids, feats = torch.randint(0, 80, (bsz, steps), generator=gen), torch.randn(bsz, steps, 3 * AUX, generator=gen)
+    counts = [1 + b % steps for b in range(bsz)] if ragged else None
+    cache = _filled_cache(draft, [5 + b % 3 for b in range(bsz)])
+    runs = {k: _top_level_ops(lambda k=k: draft.propose(feats, ids, cache, num_tokens=k, num_valid=counts))
+            for k in (3, 4)}
+    step = list(runs[4])
+    for name in runs[3]:
+        step.remove(name)
+    assert step.count("aten::linear") == 3 and step.count("aten::addmm") == 2, step
+    assert step.count("aten::scaled_dot_product_attention") == 1
+    assert "aten::repeat_interleave" not in runs[4]
+    assert len(step) <= (32 if bsz == 1 else 36), (len(step), step)
+    assert len(runs[3]) <= (100 if bsz == 1 else 130), (len(runs[3]), runs[3])
+
+
+def test_parameters_made_in_inference_mode_are_never_stale() -> None:
+    """Inference tensors track no version counter: in-place updates inside inference_mode still show."""
+    gen = torch.Generator().manual_seed(23)
+    ids, feats = torch.randint(0, 80, (1, 6), generator=gen), torch.randn(1, 6, 3 * AUX, generator=gen)
+    with torch.inference_mode():
+        draft = _draft(seed=24)
+        assert draft.midlayer.self_attn.q_proj.weight.is_inference()
+        first = draft.propose(feats, ids, draft.new_cache(1), num_tokens=3)[0].tolist()
+        assert first == _plain_chain(draft, ids, feats, 3)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(draft.midlayer.self_attn, name).weight.mul_(-2.0)
+        draft.midlayer.mlp.gate_proj.weight.add_(0.5)
+        again = draft.propose(feats, ids, draft.new_cache(1), num_tokens=3)[0].tolist()
+        assert again == _plain_chain(draft, ids, feats, 3)
+        hidden = draft.combine_aux(feats)
+        torch.testing.assert_close(draft(ids, hidden), _plain_forward(draft, ids, hidden), atol=ATOL, rtol=0)
