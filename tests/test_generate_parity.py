@@ -279,12 +279,17 @@ def test_overlap_aux_transport_is_lossless_and_equals_relay(ckpts: dict[str, Pat
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("backlog", ["256", "3"])
 def test_adaptive_policy_is_lossless_and_resumes_drafting_with_full_context(
-    ckpts: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ckpts: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    backlog: str,
 ) -> None:
     """The default policy measures both modes, so a long run has plain steps (no drafts) and speculative
     steps after them; the draft must then propose from its full context (the positions verified while
-    not speculating, ingested late): every speculative step's drafts equal the from-scratch oracle."""
+    not speculating, ingested late): every speculative step's drafts equal the from-scratch oracle. With a
+    backlog of 3 positions the draft also ingests in the middle of plain stretches (the stage processes
+    inherit the environment)."""
+    monkeypatch.setenv("PIPESPEC_DRAFT_BACKLOG", backlog)
     prompts = [([5, 17, 3, 42, 8], 160), ([7, 9], 150)]
     path = tmp_path / "long.jsonl"
     path.write_text("".join(json.dumps({"prompt_ids": p, "max_new_tokens": m}) + "\n" for p, m in prompts))
@@ -297,6 +302,8 @@ def test_adaptive_policy_is_lossless_and_resumes_drafting_with_full_context(
         for o in result["outputs"]
     ]
     assert any(resumed), "no speculative step followed a plain one"
+    last = result["stages"][-1]
+    assert last["draft_backlog"] == int(backlog) and last["draft_ingests"] >= 1
 
 
 @pytest.mark.timeout(300)

@@ -78,6 +78,22 @@ class SeqState:
 
 THREADS_ENV = "PIPESPEC_THREADS"
 DRAFT_BACKLOG = 256  # positions a row may hold back from the draft while not speculating
+DRAFT_BACKLOG_ENV = "PIPESPEC_DRAFT_BACKLOG"  # overrides it (memory vs. fewer draft passes while plain)
+
+
+def draft_backlog() -> int:
+    """``$PIPESPEC_DRAFT_BACKLOG`` or ``DRAFT_BACKLOG``: how many verified positions a sequence may hold
+    back from the draft while the policy decodes plainly (their aux states wait on the last stage)."""
+    value = os.environ.get(DRAFT_BACKLOG_ENV, "").strip()
+    if not value:
+        return DRAFT_BACKLOG
+    try:
+        backlog = int(value)
+    except ValueError:
+        raise UsageError(f"{DRAFT_BACKLOG_ENV}={value!r} is not an integer") from None
+    if backlog < 1:
+        raise UsageError(f"{DRAFT_BACKLOG_ENV}={backlog} must be >= 1")
+    return backlog
 
 
 def stage_threads(world_size: int) -> int:
@@ -176,6 +192,8 @@ class StageRunner:
         self.policy = SpecPolicy(job.spec_policy, settle=micro_batches) if ctx.is_last and self.k else None  # type: ignore[arg-type]
         # Positions verified while not speculating, per request, waiting for the draft (last stage).
         self.backlog: dict[int, list[tuple[torch.Tensor, list[int]]]] = {}
+        self.backlog_cap = draft_backlog()
+        self.draft_ingests = 0  # one-pass ingestions of a backlog (while or after decoding plainly)
         self.step = 0  # rounds launched, all micro-batches together
         self.forwards = 0  # target forwards run by this stage
         self.round_draft_s = 0.0  # seconds the draft took in the current round's verify steps (last stage)
@@ -225,7 +243,7 @@ class StageRunner:
 
         Not speculating, the positions wait in a backlog (a copy: the aux states may live in a receive
         buffer) that the draft ingests in one pass before it next drafts, or when it grows past
-        ``DRAFT_BACKLOG`` positions: a plain round then costs no draft forward at all.
+        ``draft_backlog()`` positions: a plain round then costs no draft forward at all.
         """
         if not speculate:
             features = torch.cat(aux, dim=-1)  # a copy, [B, T, k * H]
@@ -234,7 +252,7 @@ class StageRunner:
                 entry = self.backlog.setdefault(request, [])
                 entry.append((features[b, : len(row)], row))
                 longest = max(longest, sum(len(ids) for _, ids in entry))
-            if longest >= DRAFT_BACKLOG:
+            if longest >= self.backlog_cap:
                 self._ingest(batch)
             return [[] for _ in next_ids]
         self._ingest(batch)
@@ -260,6 +278,7 @@ class StageRunner:
         entries = [self.backlog.pop(request, []) for request in batch.rows]
         if not any(entries):
             return
+        self.draft_ingests += 1
         rows = [[t for _, ids in entry for t in ids] for entry in entries]
         counts = [len(r) for r in rows]
         sample = next(f for entry in entries for f, _ in entry)
@@ -472,6 +491,7 @@ class StageRunner:
             "hop_recv_wait_s": round(self.receiver.waited_s, 4) if self.receiver else 0.0,
             "hop_send_wait_s": round(self.sender.waited_s, 4) if self.sender else 0.0,
             "step_message_wait_s": round(self.channel.waited_s, 4),
+            **({"draft_backlog": self.backlog_cap, "draft_ingests": self.draft_ingests} if self.policy else {}),
         }
 
 
