@@ -1,0 +1,36 @@
+"""The engine's CUDA attention setting, checked on the CPU build (CI has no GPU): cuDNN SDPA is turned
+off unless ``PIPESPEC_CUDNN_SDP=1`` keeps it (it builds a plan per key length: ~39 ms per decode-step
+attention call on an H200, docs/engine.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pipespec.engine.worker import CUDNN_SDP_ENV, configure_cuda_attention
+
+
+@pytest.fixture
+def restore_flag() -> Iterator[None]:
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.usefixtures("restore_flag")
+def test_cudnn_attention_is_turned_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CUDNN_SDP_ENV, raising=False)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    configure_cuda_attention()
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.usefixtures("restore_flag")
+@pytest.mark.parametrize("value", ["1", "true", "yes"])
+def test_the_environment_keeps_cudnn_attention(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(CUDNN_SDP_ENV, value)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    configure_cuda_attention()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
