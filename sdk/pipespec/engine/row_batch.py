@@ -36,7 +36,23 @@ import torch
 from torch.nn import functional as F
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["RowBatch", "batchable"]
+__all__ = ["RowBatch", "batchable", "pad_rows", "to_device"]
+
+
+def pad_rows(rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Token rows as one host ``[B, max len]`` long tensor, each row right-padded with 0."""
+    ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return ids
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``: through pinned memory on CUDA, since a copy from pageable memory
+    waits for the whole stream first."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def batchable(config: Any) -> bool:
@@ -108,17 +124,16 @@ class RowBatch:
         steps = max(len(t) for t in tokens)
         if min(len(t) for t in tokens) < 1:
             raise ValueError("every row needs at least one new token")
-        ids = torch.zeros(self.size, steps, dtype=torch.long)
-        new_valid = torch.zeros(self.size, steps, dtype=torch.bool)
-        for b, row in enumerate(tokens):
-            ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-            new_valid[b, : len(row)] = True
+        ids = pad_rows(tokens)
+        new_valid = torch.arange(steps) < torch.tensor([len(t) for t in tokens])[:, None]
         positions = torch.tensor(committed, dtype=torch.long)[:, None] + torch.arange(steps)
         holes = bool((~self.valid).any()) or not bool(new_valid.all())
         mask = self._mask(torch.cat((self.valid, new_valid), dim=1), steps) if holes else None
         self._pending = (self.slots, list(committed))
         self.valid = torch.cat((self.valid, torch.zeros(self.size, steps, dtype=torch.bool)), dim=1)
-        return self._to_device(ids), self._to_device(positions), self._to_device(mask) if mask is not None else None, steps
+        device = self.device
+        return (to_device(ids, device), to_device(positions, device),
+                to_device(mask, device) if mask is not None else None, steps)
 
     def _mask(self, keys: torch.Tensor, steps: int) -> torch.Tensor:
         """The 4D attention mask for real ``keys [B, L + T]`` and ``steps`` new queries at slots L.. ."""
@@ -129,13 +144,6 @@ class RowBatch:
         if self.mask_dtype is None:
             return allowed
         return torch.zeros(allowed.shape, dtype=self.mask_dtype).masked_fill_(~allowed, torch.finfo(self.mask_dtype).min)
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the batch's device: through pinned memory on CUDA, since a copy from pageable
-        memory waits for the whole stream first."""
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
 
     def resolve(self, committed: Sequence[int]) -> None:
         """Close the open forward: row ``b`` now has ``committed[b]`` tokens (it kept ``committed[b]``
@@ -172,7 +180,7 @@ class RowBatch:
             kept = self.valid[b].nonzero().flatten()
             index[b, : kept.numel()] = kept
             valid[b, : kept.numel()] = True
-        gather = self._to_device(index)
+        gather = to_device(index, self.device)
         for layer in self._owned_layers():
             layer.keys = _gather_slots(layer.keys, gather)
             layer.values = _gather_slots(layer.values, gather)
@@ -186,7 +194,7 @@ class RowBatch:
             return
         index = torch.tensor(keep, dtype=torch.long)
         if keep:
-            on_device = self._to_device(index)
+            on_device = to_device(index, self.device)
             for layer in self._owned_layers():
                 if layer.keys is not None and layer.keys.numel():
                     layer.keys = layer.keys.index_select(0, on_device)

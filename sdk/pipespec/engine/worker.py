@@ -50,7 +50,7 @@ from pipespec.embed import spec_decode_needs_target_embed
 from pipespec.engine import step as stepmsg
 from pipespec.engine.job import GenerateJob, Request
 from pipespec.engine.microbatch import Scheduler, default_micro_batches
-from pipespec.engine.row_batch import RowBatch, batchable
+from pipespec.engine.row_batch import RowBatch, batchable, pad_rows, to_device
 from pipespec.engine.spec_policy import SpecPolicy
 from pipespec.engine.target import TargetStage, build_target_stage, resolve_target
 from pipespec.errors import UsageError
@@ -81,19 +81,25 @@ DRAFT_BACKLOG = 256  # positions a row may hold back from the draft while not sp
 DRAFT_BACKLOG_ENV = "PIPESPEC_DRAFT_BACKLOG"  # overrides it (memory vs. fewer draft passes while plain)
 
 
+def _env_positive_int(name: str) -> int | None:
+    """``$name`` as an integer >= 1, or None when unset or empty; anything else is a usage error."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise UsageError(f"{name}={value!r} is not an integer") from None
+    if number < 1:
+        raise UsageError(f"{name}={number} must be >= 1")
+    return number
+
+
 def draft_backlog() -> int:
     """``$PIPESPEC_DRAFT_BACKLOG`` or ``DRAFT_BACKLOG``: how many verified positions a sequence may hold
     back from the draft while the policy decodes plainly (their aux states wait on the last stage)."""
-    value = os.environ.get(DRAFT_BACKLOG_ENV, "").strip()
-    if not value:
-        return DRAFT_BACKLOG
-    try:
-        backlog = int(value)
-    except ValueError:
-        raise UsageError(f"{DRAFT_BACKLOG_ENV}={value!r} is not an integer") from None
-    if backlog < 1:
-        raise UsageError(f"{DRAFT_BACKLOG_ENV}={backlog} must be >= 1")
-    return backlog
+    backlog = _env_positive_int(DRAFT_BACKLOG_ENV)
+    return DRAFT_BACKLOG if backlog is None else backlog
 
 
 def stage_threads(world_size: int) -> int:
@@ -105,16 +111,9 @@ def stage_threads(world_size: int) -> int:
     ``OMP_NUM_THREADS=1``).
     """
     for name in (THREADS_ENV, "OMP_NUM_THREADS"):
-        value = os.environ.get(name, "").strip()
-        if not value:
-            continue
-        try:
-            threads = int(value)
-        except ValueError:
-            raise UsageError(f"{name}={value!r} is not an integer") from None
-        if threads < 1:
-            raise UsageError(f"{name}={threads} must be >= 1")
-        return threads
+        threads = _env_positive_int(name)
+        if threads is not None:
+            return threads
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
@@ -192,6 +191,7 @@ class StageRunner:
         self.policy = SpecPolicy(job.spec_policy, settle=micro_batches) if ctx.is_last and self.k else None  # type: ignore[arg-type]
         # Positions verified while not speculating, per request, waiting for the draft (last stage).
         self.backlog: dict[int, list[tuple[torch.Tensor, list[int]]]] = {}
+        self.backlog_positions: dict[int, int] = {}  # positions held per request (the sum of its backlog)
         self.backlog_cap = draft_backlog()
         self.draft_ingests = 0  # one-pass ingestions of a backlog (while or after decoding plainly)
         self.step = 0  # rounds launched, all micro-batches together
@@ -249,33 +249,23 @@ class StageRunner:
             features = torch.cat(aux, dim=-1)  # a copy, [B, T, k * H]
             longest = 0
             for b, (request, row) in enumerate(zip(batch.rows, next_ids)):
-                entry = self.backlog.setdefault(request, [])
-                entry.append((features[b, : len(row)], row))
-                longest = max(longest, sum(len(ids) for _, ids in entry))
+                self.backlog.setdefault(request, []).append((features[b, : len(row)], row))
+                self.backlog_positions[request] = held = self.backlog_positions.get(request, 0) + len(row)
+                longest = max(longest, held)
             if longest >= self.backlog_cap:
                 self._ingest(batch)
             return [[] for _ in next_ids]
         self._ingest(batch)
-        ids, valid = self._padded(next_ids)
+        ids = to_device(pad_rows(next_ids), self.ctx.device)
         width = ids.shape[1]
         return self.draft.propose([a[:, :width] for a in aux], ids, batch.draft_cache, num_tokens=self.k,
-                                  num_valid=valid).tolist()
-
-    def _padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, list[int] | None]:
-        """Token rows padded into ``[B, T]`` on the device, and the per-row counts when they differ (host
-        ints: the draft cache then keeps exact lengths)."""
-        width = max(len(r) for r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, row in enumerate(rows):
-            ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-        counts = [len(r) for r in rows]
-        if self.ctx.device.type == "cuda":  # from pinned memory: a pageable copy would wait for the stream
-            ids = ids.pin_memory().to(self.ctx.device, non_blocking=True)
-        return ids, (counts if any(c != width for c in counts) else None)
+                                  num_valid=_ragged_counts(next_ids)).tolist()
 
     def _ingest(self, batch: RowBatch) -> None:
         """Feed the draft the backlog of ``batch``'s rows (positions verified while not speculating)."""
         entries = [self.backlog.pop(request, []) for request in batch.rows]
+        for request in batch.rows:
+            self.backlog_positions.pop(request, None)
         if not any(entries):
             return
         self.draft_ingests += 1
@@ -286,9 +276,8 @@ class StageRunner:
         for b, entry in enumerate(entries):
             if entry:
                 features[b, : counts[b]] = torch.cat([f for f, _ in entry])
-        ids, _ = self._padded([r or [0] for r in rows])
-        ragged = any(c != max(counts) for c in counts)
-        self.draft.extend(features, ids[:, : max(counts)], batch.draft_cache, num_valid=counts if ragged else None)
+        ids = to_device(pad_rows([r or [0] for r in rows]), self.ctx.device)  # a row with nothing new: counts 0
+        self.draft.extend(features, ids, batch.draft_cache, num_valid=_ragged_counts(rows))
 
     # ------------------------------------------------------------------------------ one round
     def _prefill(self, rows: list[int], speculate: bool) -> tuple[RowBatch, list[stepmsg.SeqUpdate] | None]:
@@ -371,6 +360,7 @@ class StageRunner:
             batch.drop(dead)
             for request in dead:
                 self.backlog.pop(request, None)
+                self.backlog_positions.pop(request, None)
             if batch.size:
                 batches.append(batch)
         if self.batched and len(batches) > 1:
@@ -493,6 +483,13 @@ class StageRunner:
             "step_message_wait_s": round(self.channel.waited_s, 4),
             **({"draft_backlog": self.backlog_cap, "draft_ingests": self.draft_ingests} if self.policy else {}),
         }
+
+
+def _ragged_counts(rows: list[list[int]]) -> list[int] | None:
+    """Per-row token counts when the rows differ in length (host ints: the draft cache then keeps exact
+    lengths), None when they are all as long as the padding."""
+    counts = [len(r) for r in rows]
+    return counts if any(c != max(counts) for c in counts) else None
 
 
 def wait_for_all_stages_loaded(ctx: StageContext) -> None:
