@@ -156,6 +156,22 @@ def heldout_prompts(target: Path, count: int, length: int) -> list[list[int]] | 
     return ids if len(ids) == count else None
 
 
+def cli_json(args: Sequence[str], what: str) -> Any:
+    """Run ``pipespec ARGS`` (which must print JSON) through the CLI's entry point in this process — it
+    reuses this process's warm stage forkserver — and parse its stdout; ``what`` names a failure."""
+    import contextlib
+    import io
+
+    from pipespec.cli import main
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        code = main(list(args))
+    if code != 0:
+        raise RuntimeError(f"{what} exited with {code}")
+    return json.loads(buffer.getvalue())
+
+
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     """Append one JSON line (raw per-run records that survive a benchmark killed half-way)."""
     with path.open("a") as f:

@@ -22,8 +22,6 @@ on GPU, never below 1.0× at any c.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import statistics
@@ -39,6 +37,7 @@ from typing import Any
 from bench.common import (
     Result,
     append_jsonl,
+    cli_json,
     describe_pair,
     device_name,
     heldout_prompts,
@@ -108,14 +107,7 @@ def _generate(target: Path, draft: Path, prompts_file: Path, k: int, new_tokens:
            "--pp", "2", "--prompts-file", str(prompts_file), "--max-new-tokens", str(new_tokens),
            "--num-spec-tokens", str(k), "--ignore-eos", "--device", device, "--json", *extra]
     if in_process:
-        from pipespec.cli import main
-
-        buffer = io.StringIO()
-        with contextlib.redirect_stdout(buffer):
-            code = main(args)
-        if code != 0:
-            raise RuntimeError(f"pipespec generate (k={k}) exited with {code}")
-        return json.loads(buffer.getvalue())
+        return cli_json(args, f"pipespec generate (k={k})")
     cmd = [sys.executable, "-c", "import sys; from pipespec.cli import main; sys.exit(main())", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode != 0:

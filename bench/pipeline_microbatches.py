@@ -27,8 +27,6 @@ Goal (issue 7): ≥ 1.7× on GPU (ideal 2×).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import random
@@ -37,7 +35,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import Result, append_jsonl, describe_pair, device_name, heldout_prompts, pair_dirs
+from bench.common import (
+    Result,
+    append_jsonl,
+    cli_json,
+    describe_pair,
+    device_name,
+    heldout_prompts,
+    pair_dirs,
+)
 
 NAME = "pipeline"
 DESCRIPTION = "tokens/s with P micro-batches in flight / with one, PP=2, c=8 and 32"
@@ -81,17 +87,10 @@ def _prompts(path: Path, count: int, vocab: int, target: Path | None = None) -> 
 
 
 def _generate(target: Path, draft: Path, prompts: Path, micro_batches: int, new_tokens: int, k: int, device: str) -> dict[str, Any]:
-    from pipespec.cli import main
-
     args = ["generate", "--target", str(target), "--draft", str(draft), "--pp", str(PP), "--prompts-file", str(prompts),
             "--max-new-tokens", str(new_tokens), "--num-spec-tokens", str(k), "--micro-batches", str(micro_batches),
             "--ignore-eos", "--device", device, "--json", "--spec-policy", "always"]
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        code = main(args)
-    if code != 0:
-        raise RuntimeError(f"pipespec generate --micro-batches {micro_batches} exited with {code}")
-    return json.loads(buffer.getvalue())
+    return cli_json(args, f"pipespec generate --micro-batches {micro_batches}")
 
 
 def busy_bound(result: dict[str, Any]) -> float:
