@@ -49,7 +49,8 @@ import torch
 from pipespec.embed import spec_decode_needs_target_embed
 from pipespec.engine import step as stepmsg
 from pipespec.engine.job import GenerateJob, Request
-from pipespec.engine.microbatch import Scheduler, default_micro_batches
+from pipespec.engine.microbatch import Launch, MicroBatch, Scheduler, default_micro_batches
+from pipespec.engine.phases import PhaseClock, maybe_profile
 from pipespec.engine.row_batch import RowBatch, batchable, pad_rows, to_device
 from pipespec.engine.spec_policy import SpecPolicy
 from pipespec.engine.target import TargetStage, build_target_stage, resolve_target
@@ -197,6 +198,7 @@ class StageRunner:
         self.step = 0  # rounds launched, all micro-batches together
         self.forwards = 0  # target forwards run by this stage
         self.round_draft_s = 0.0  # seconds the draft took in the current round's verify steps (last stage)
+        self.clock = PhaseClock(ctx.device)  # host seconds per phase of the rounds (stats: phase_s)
         self.elapsed = 0.0
 
     # ------------------------------------------------------------------------------ one forward
@@ -205,7 +207,9 @@ class StageRunner:
     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """This stage's share of one forward of ``batch``: row ``b`` runs ``tokens[b]`` after its
         ``committed[b]`` cached tokens. The last stage gets ``(logits, aux)``, the others ``None``."""
-        ids, positions, mask, steps = batch.inputs(tokens, committed)
+        clock = self.clock
+        with clock("inputs"):
+            ids, positions, mask, steps = batch.inputs(tokens, committed)
         shape = (batch.size, steps)
         self.forwards += 1
         overlap = self.overlap if self.overlap is not None and batch.size * steps >= self.job.overlap_min_tokens else None
@@ -213,14 +217,18 @@ class StageRunner:
             overlap.attach(self.target.decoder)
         try:
             if self.ctx.is_first:
-                out = self.target.forward(batch.cache, positions, input_ids=ids, attention_mask=mask)
+                with clock("forward"):
+                    out = self.target.forward(batch.cache, positions, input_ids=ids, attention_mask=mask)
             else:
                 assert self.receiver is not None
-                received = overlap.recv(shape) if overlap else self.receiver.recv(shape)
-                out = self.target.forward(batch.cache, positions, received=received, attention_mask=mask)
+                with clock("recv"):
+                    received = overlap.recv(shape) if overlap else self.receiver.recv(shape)
+                with clock("forward"):
+                    out = self.target.forward(batch.cache, positions, received=received, attention_mask=mask)
             if self.sender is not None:
                 assert not isinstance(out, tuple)
-                (overlap or self.sender).send(out)
+                with clock("send"):
+                    (overlap or self.sender).send(out)
                 return None
         finally:
             if overlap is not None and not self.ctx.is_last:
@@ -289,16 +297,18 @@ class StageRunner:
         if out is None:
             return batch, None
         logits, aux = out
-        last = torch.tensor([len(p) - 1 for p in prompts], device=logits.device)
-        firsts = logits[torch.arange(len(rows), device=logits.device), last].argmax(dim=-1).tolist()
+        with self.clock("sample"):
+            last = torch.tensor([len(p) - 1 for p in prompts], device=logits.device)
+            firsts = logits[torch.arange(len(rows), device=logits.device), last].argmax(dim=-1).tolist()
         updates = []
         for r, first in zip(rows, firsts):
             kept, done = self._cut(self.seqs[r], [first])
             updates.append(stepmsg.SeqUpdate(ran=True, done=done, accepted=0, tokens=[first], kept=kept))
         if self.k:
             capacity = max(len(p) + self.seqs[r].request.max_new_tokens for p, r in zip(prompts, rows)) + self.k + 1
-            batch.draft_cache = self.draft.new_cache(len(rows), capacity=capacity)
-            drafts = self._draft(batch, aux, [p[1:] + [f] for p, f in zip(prompts, firsts)], speculate)
+            with self.clock("draft"):
+                batch.draft_cache = self.draft.new_cache(len(rows), capacity=capacity)
+                drafts = self._draft(batch, aux, [p[1:] + [f] for p, f in zip(prompts, firsts)], speculate)
             for u, d in zip(updates, drafts):
                 u.drafts = d if not u.done else []
         return batch, updates
@@ -310,7 +320,8 @@ class StageRunner:
         if out is None:
             return None
         logits, aux = out
-        predicted = logits.argmax(dim=-1).tolist()
+        with self.clock("sample"):
+            predicted = logits.argmax(dim=-1).tolist()
         updates, produced_rows = [], []
         for seq, pred in zip(seqs, predicted):
             accepted = 0
@@ -322,7 +333,8 @@ class StageRunner:
             produced_rows.append(produced)
         if self.k:
             started = time.perf_counter()
-            drafts = self._draft(batch, aux, produced_rows, speculate)  # ends in a host read: timed whole
+            with self.clock("draft" if speculate else "draft_backlog"):
+                drafts = self._draft(batch, aux, produced_rows, speculate)  # ends in a host read: timed whole
             self.round_draft_s += time.perf_counter() - started
             for u, d in zip(updates, drafts):
                 u.drafts = d if not u.done else []
@@ -372,12 +384,16 @@ class StageRunner:
         """One turn of the round-robin: consume, admit, launch, cancel. True if a round was launched."""
         sched = self.scheduler
         mb = sched.next_micro_batch()
+        clock = self.clock
         if mb.awaiting:
-            message = self.channel.take(mb.index)
-            updates = stepmsg.decode(message, mb.rounds - 1, mb.index, self.slots, self.k)
-            for request, update in sched.consume(mb, updates):
-                self._apply(self.seqs[request], update)
-            self._settle(mb.index)
+            with clock("message"):
+                message = self.channel.take(mb.index)
+            with clock("apply"):
+                updates = stepmsg.decode(message, mb.rounds - 1, mb.index, self.slots, self.k)
+                for request, update in sched.consume(mb, updates):
+                    self._apply(self.seqs[request], update)
+            with clock("settle"):
+                self._settle(mb.index)
         sched.admit(mb)
         launches = sched.launch(mb)
         if not launches:
@@ -402,6 +418,17 @@ class StageRunner:
             if result is not None:
                 by_request.update(zip(rows, result))
             batches.append(batch)
+        with clock("publish"):
+            self._publish(mb, launches, by_request, new, speculated)
+        for request in sched.cancel_due(mb, launches):
+            self._end(self.seqs[request], "cancelled")
+        self.step += 1
+        return True
+
+    def _publish(self, mb: MicroBatch, launches: list[Launch], by_request: dict[int, stepmsg.SeqUpdate], new: list[int],
+                 speculated: bool) -> None:
+        """The last stage publishes the round's message (and tells the policy how it went); the others
+        post the receive for it."""
         if self.ctx.is_last:
             updates = [stepmsg.SeqUpdate() for _ in range(self.slots)]
             for launch in launches:
@@ -415,10 +442,6 @@ class StageRunner:
                                    prefill=bool(new), rows=len(verified), draft_seconds=self.round_draft_s)
         else:
             self.channel.expect(mb.index)
-        for request in sched.cancel_due(mb, launches):
-            self._end(self.seqs[request], "cancelled")
-        self.step += 1
-        return True
 
     def run_step(self) -> None:
         """Turns until one launches a round (or everything is done): empty micro-batches are skipped."""
@@ -450,6 +473,8 @@ class StageRunner:
                 self.sender.flush()
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
+        self.clock = PhaseClock(self.ctx.device)  # the rounds' phases and forwards only
+        self.forwards = 0
         return time.perf_counter() - started
 
     def run(self) -> float:
@@ -481,6 +506,7 @@ class StageRunner:
             "hop_recv_wait_s": round(self.receiver.waited_s, 4) if self.receiver else 0.0,
             "hop_send_wait_s": round(self.sender.waited_s, 4) if self.sender else 0.0,
             "step_message_wait_s": round(self.channel.waited_s, 4),
+            "phase_s": self.clock.to_json(),
             **({"draft_backlog": self.backlog_cap, "draft_ingests": self.draft_ingests} if self.policy else {}),
         }
 
@@ -595,7 +621,8 @@ def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
     wait_for_all_stages_loaded(ctx)
     runner = StageRunner(ctx, job, target, draft, eos)
     warmup = runner.warmup()
-    elapsed = runner.run()
+    with maybe_profile(ctx.rank, ctx.device):  # $PIPESPEC_PROFILE (pipespec.engine.phases)
+        elapsed = runner.run()
 
     stats = {"rank": ctx.rank, "start_layer": stage.start_layer, "end_layer": stage.end_layer, **load.to_json_dict(),
              **runner.stats()}

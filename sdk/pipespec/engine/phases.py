@@ -1,0 +1,104 @@
+"""Where a stage's decoding time goes: host seconds per phase of its rounds, and an optional torch
+profile.
+
+On a GPU a small model's decode step is bound by the host (Python, kernel launches, the messages),
+not by the device, so the question "why is this round slow" is answered by the host's clock. Every
+stage accumulates ``time.perf_counter()`` spans per named phase (``inputs``, ``recv``, ``forward``,
+``send``, ``sample``, ``draft``, ...) and reports them as ``phase_s`` in its stats; the cost is two
+clock reads per phase.
+
+Device work is asynchronous: without synchronising, its time shows up in whichever phase first waits
+for it (``sample`` reads the logits on the last stage). ``$PIPESPEC_PHASE_SYNC=1`` synchronises the
+device at the end of every phase so each phase also carries the kernels it launched (slower: use it
+to attribute, not to measure throughput).
+
+``$PIPESPEC_PROFILE=DIR`` runs the decode loop under ``torch.profiler`` and writes
+``DIR/stage<rank>_ops.txt``: the operators by host time and, on CUDA, by device time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from pipespec.errors import UsageError
+
+PHASE_SYNC_ENV = "PIPESPEC_PHASE_SYNC"
+PROFILE_ENV = "PIPESPEC_PROFILE"
+
+
+def _flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise UsageError(f"{name}={value!r}: use 1 or 0")
+
+
+class PhaseClock:
+    """Seconds per phase (``with clock("forward"): ...``); phases may nest, each counts its own span."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.sync = _flag(PHASE_SYNC_ENV) and device.type == "cuda"
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync:
+                torch.cuda.synchronize(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    def to_json(self) -> dict[str, dict[str, float]]:
+        """``{phase: {"s": seconds, "n": spans, "ms_per": milliseconds per span}}``, largest first."""
+        order = sorted(self.seconds, key=self.seconds.__getitem__, reverse=True)
+        return {
+            name: {"s": round(self.seconds[name], 4), "n": self.counts[name],
+                   "ms_per": round(1e3 * self.seconds[name] / self.counts[name], 4)}
+            for name in order
+        }
+
+
+def profile_dir() -> Path | None:
+    """``$PIPESPEC_PROFILE`` as a directory to write profiles to (created), or None when unset."""
+    value = os.environ.get(PROFILE_ENV, "").strip()
+    if not value:
+        return None
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{PROFILE_ENV}={value!r} is a file, not a directory")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def maybe_profile(rank: int, device: torch.device) -> Iterator[None]:
+    """Profile the enclosed code with ``torch.profiler`` when ``$PIPESPEC_PROFILE`` is set (see the module
+    doc); otherwise do nothing."""
+    out = profile_dir()
+    if out is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield
+    averages = prof.key_averages()
+    parts = [f"# stage {rank} on {device}: operators by host time (self)\n",
+             averages.table(sort_by="self_cpu_time_total", row_limit=40)]
+    if device.type == "cuda":
+        parts += ["\n# operators by device time (self)\n", averages.table(sort_by="self_device_time_total", row_limit=40)]
+    (out / f"stage{rank}_ops.txt").write_text("".join(parts))
