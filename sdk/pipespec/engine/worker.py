@@ -471,6 +471,7 @@ class StageRunner:
                 self._draft(batch, out[1], [[0]] * rows, True)
             if self.sender is not None:
                 self.sender.flush()
+            self.channel.warm()
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         self.clock = PhaseClock(self.ctx.device)  # the rounds' phases and forwards only
