@@ -48,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-policy", choices=("adaptive", "always"), default="adaptive",
                         help="adaptive: measure tokens/s with and without drafts and fall back to plain decoding "
                              "while that is faster (default); always: speculate every step (deterministic steps)")
+    parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                        help="replay decode forwards from CUDA graphs: auto = on CUDA for batchable models (default); "
+                             "on = also on CPU, where the same fixed-buffer path runs without graphs (for testing); off",
+                        )
     parser.add_argument("--aux-convention", choices=("input", "output"),
                         help="how to read the draft's aux ids (default: Format A output, Format B input)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per stage)")
@@ -86,6 +90,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
         device=args.device, dtype=args.dtype, timeout_s=args.timeout, verbose=args.verbose, ignore_eos=args.ignore_eos,
         trace=args.trace, load_timeout_s=args.load_timeout, micro_batches=args.micro_batches, max_num_seqs=args.max_num_seqs,
         aux_transport=args.aux_transport, overlap_min_tokens=args.overlap_min_tokens, spec_policy=args.spec_policy,
+        cuda_graphs=args.cuda_graphs,
     )
 
 

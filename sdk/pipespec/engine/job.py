@@ -59,6 +59,10 @@ class GenerateJob:
     # Speculate every round ("always") or measure and fall back to plain decoding while it is faster
     # ("adaptive"); see pipespec.engine.spec_policy.
     spec_policy: str = "adaptive"
+    # Replay verify forwards from CUDA graphs over fixed KV buffers: "auto" (on CUDA, batchable models),
+    # "on" (also on CPU, emulated: the same fixed-buffer path without graphs) or "off";
+    # see pipespec.engine.cuda_graphs.
+    cuda_graphs: str = "auto"
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

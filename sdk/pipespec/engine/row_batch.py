@@ -105,7 +105,7 @@ class RowBatch:
 
     # ------------------------------------------------------------------------------ one forward
     def inputs(
-        self, tokens: Sequence[Sequence[int]], committed: Sequence[int]
+        self, tokens: Sequence[Sequence[int]], committed: Sequence[int], width: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """Inputs of this round's forward: ``(input_ids [B, T], position_ids [B, T], attention_mask or
         None, T)`` for each row's new ``tokens`` after its ``committed`` ones.
@@ -115,7 +115,9 @@ class RowBatch:
         the host from the host-side slot mask, it costs the GPU one copy and no synchronisation, where
         transformers' own mask creation from a 2D mask checks it on the device. ``None`` when there is
         nothing to mask (no hole, no padding), which keeps a one-row batch on exactly the per-sequence
-        code path.
+        code path. ``width``: the key width of a fixed-size cache (``pipespec.engine.slot_cache``, whose
+        forwards attend to all its slots): the mask is always built, and slots past the new tokens are
+        masked.
         """
         if len(tokens) != self.size or len(committed) != self.size:
             raise ValueError(f"{len(tokens)} token rows / {len(committed)} lengths for a batch of {self.size} rows")
@@ -128,19 +130,24 @@ class RowBatch:
         new_valid = torch.arange(steps) < torch.tensor([len(t) for t in tokens])[:, None]
         positions = torch.tensor(committed, dtype=torch.long)[:, None] + torch.arange(steps)
         holes = bool((~self.valid).any()) or not bool(new_valid.all())
-        mask = self._mask(torch.cat((self.valid, new_valid), dim=1), steps) if holes else None
+        mask = self._mask(torch.cat((self.valid, new_valid), dim=1), steps, width) if holes or width else None
         self._pending = (self.slots, list(committed))
         self.valid = torch.cat((self.valid, torch.zeros(self.size, steps, dtype=torch.bool)), dim=1)
         device = self.device
         return (to_device(ids, device), to_device(positions, device),
                 to_device(mask, device) if mask is not None else None, steps)
 
-    def _mask(self, keys: torch.Tensor, steps: int) -> torch.Tensor:
-        """The 4D attention mask for real ``keys [B, L + T]`` and ``steps`` new queries at slots L.. ."""
+    def _mask(self, keys: torch.Tensor, steps: int, width: int | None = None) -> torch.Tensor:
+        """The 4D attention mask for real ``keys [B, L + T]`` and ``steps`` new queries at slots L.. ;
+        ``width`` > L + T pads it with masked slots."""
         total = keys.shape[1]
         first = total - steps
-        causal = torch.arange(total)[None, :] <= (first + torch.arange(steps))[:, None]  # [T, L + T]
-        allowed = (keys[:, None, :] & causal[None])[:, None]  # [B, 1, T, L + T]
+        if width is not None:
+            if width < total:
+                raise RuntimeError(f"{total} slots do not fit a cache of width {width}")
+            keys = F.pad(keys, (0, width - total))
+        causal = torch.arange(keys.shape[1])[None, :] <= (first + torch.arange(steps))[:, None]  # [T, width]
+        allowed = (keys[:, None, :] & causal[None])[:, None]  # [B, 1, T, width]
         if self.mask_dtype is None:
             return allowed
         return torch.zeros(allowed.shape, dtype=self.mask_dtype).masked_fill_(~allowed, torch.finfo(self.mask_dtype).min)

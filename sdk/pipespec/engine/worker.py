@@ -48,10 +48,12 @@ import torch
 
 from pipespec.embed import spec_decode_needs_target_embed
 from pipespec.engine import step as stepmsg
+from pipespec.engine.cuda_graphs import GraphedForwards, GraphMode
 from pipespec.engine.job import GenerateJob, Request
 from pipespec.engine.microbatch import Launch, MicroBatch, Scheduler, default_micro_batches
 from pipespec.engine.phases import PhaseClock, maybe_profile
 from pipespec.engine.row_batch import RowBatch, batchable, pad_rows, to_device
+from pipespec.engine.slot_cache import SlotStore
 from pipespec.engine.spec_policy import SpecPolicy
 from pipespec.engine.target import TargetStage, build_target_stage, resolve_target
 from pipespec.errors import UsageError
@@ -189,6 +191,19 @@ class StageRunner:
         self.channel = StepChannel(ctx, stepmsg.message_size(self.slots, self.k), micro_batches)
         # The batched KV state of each micro-batch's running sequences (one RowBatch when batched).
         self.batches: list[list[RowBatch]] = [[] for _ in range(micro_batches)]
+        # Verify forwards replayed from CUDA graphs: each micro-batch's running rows live in fixed
+        # buffers (a SlotStore) sized for the longest sequence, its forwards graphed per shape.
+        self.graph_mode = graph_mode(job.cuda_graphs, ctx.device, self.batched)
+        self.stores: list[SlotStore] = []
+        self.graphed: dict[int, GraphedForwards] = {}  # by id(store.cache)
+        if self.graph_mode is not None:
+            longest_seq = max(len(r.prompt_ids) + r.max_new_tokens for r in job.requests) + self.k + 1
+            capacity = longest_seq + max(8, longest_seq // 4) + self.k + 1  # RowBatch compacts past longest * 1.25
+            pool = torch.cuda.graph_pool_handle() if self.graph_mode == "cuda" else None
+            for _ in range(micro_batches):
+                store = SlotStore(target.new_cache, self.slots, capacity, ctx.device)
+                self.stores.append(store)
+                self.graphed[id(store.cache)] = GraphedForwards(target, store, self.graph_mode, pool)
         self.policy = SpecPolicy(job.spec_policy, settle=micro_batches) if ctx.is_last and self.k else None  # type: ignore[arg-type]
         # Positions verified while not speculating, per request, waiting for the draft (last stage).
         self.backlog: dict[int, list[tuple[torch.Tensor, list[int]]]] = {}
@@ -208,8 +223,9 @@ class StageRunner:
         """This stage's share of one forward of ``batch``: row ``b`` runs ``tokens[b]`` after its
         ``committed[b]`` cached tokens. The last stage gets ``(logits, aux)``, the others ``None``."""
         clock = self.clock
+        graphed = self.graphed.get(id(batch.cache))
         with clock("inputs"):
-            ids, positions, mask, steps = batch.inputs(tokens, committed)
+            ids, positions, mask, steps = batch.inputs(tokens, committed, graphed.store.capacity if graphed else None)
         shape = (batch.size, steps)
         self.forwards += 1
         overlap = self.overlap if self.overlap is not None and batch.size * steps >= self.job.overlap_min_tokens else None
@@ -218,13 +234,13 @@ class StageRunner:
         try:
             if self.ctx.is_first:
                 with clock("forward"):
-                    out = self.target.forward(batch.cache, positions, input_ids=ids, attention_mask=mask)
+                    out = self._run(batch, graphed, overlap is None, positions, mask, input_ids=ids)
             else:
                 assert self.receiver is not None
                 with clock("recv"):
                     received = overlap.recv(shape) if overlap else self.receiver.recv(shape)
                 with clock("forward"):
-                    out = self.target.forward(batch.cache, positions, received=received, attention_mask=mask)
+                    out = self._run(batch, graphed, overlap is None, positions, mask, received=received)
             if self.sender is not None:
                 assert not isinstance(out, tuple)
                 with clock("send"):
@@ -235,6 +251,17 @@ class StageRunner:
                 overlap.detach(self.target.decoder)
         assert isinstance(out, tuple)
         return out
+
+    def _run(self, batch: RowBatch, graphed: GraphedForwards | None, may_graph: bool, positions: torch.Tensor,
+             mask: torch.Tensor | None, input_ids: torch.Tensor | None = None, received: Any = None) -> Any:
+        """The stage's forward of ``batch``: from a CUDA graph when its rows live in a slot store (and no
+        hook-based overlap transport runs in it), else eagerly."""
+        if graphed is None:
+            return self.target.forward(batch.cache, positions, input_ids=input_ids, received=received, attention_mask=mask)
+        assert mask is not None
+        if may_graph:
+            return graphed(positions, mask, input_ids=input_ids, received=received)
+        return graphed.eager(positions, mask, input_ids=input_ids, received=received)
 
     def _cut(self, seq: SeqState, produced: list[int]) -> tuple[int, bool]:
         """How many produced tokens to keep (EOS, budget) and whether the sequence is finished."""
@@ -377,6 +404,8 @@ class StageRunner:
                 batches.append(batch)
         if self.batched and len(batches) > 1:
             batches = [RowBatch.merge(batches)]
+        if self.stores and batches:
+            batches[0].cache = self.stores[index].adopt(batches[0].cache)  # in place when it is already there
         self.batches[index] = batches
 
     # ------------------------------------------------------------------------------ the schedule
@@ -469,6 +498,14 @@ class StageRunner:
             out = self._forward(batch, [[0] * (self.k + 1)] * rows, [2] * rows)
             if out is not None and self.k:
                 self._draft(batch, out[1], [[0]] * rows, True)
+            batch.resolve([3] * rows)
+            # Capture the verify (k + 1 tokens) and plain (1 token) forwards of a full micro-batch now
+            # rather than in the first rounds; other row counts are captured when they first occur.
+            for store in self.stores:
+                batch.cache = store.adopt(batch.cache)
+                for steps in sorted({self.k + 1, 1}, reverse=True):
+                    self._forward(batch, [[0] * steps] * rows, [3] * rows)
+                    batch.resolve([3] * rows)  # nothing kept: the slots are cropped again
             if self.sender is not None:
                 self.sender.flush()
             self.channel.warm()
@@ -508,8 +545,25 @@ class StageRunner:
             "hop_send_wait_s": round(self.sender.waited_s, 4) if self.sender else 0.0,
             "step_message_wait_s": round(self.channel.waited_s, 4),
             "phase_s": self.clock.to_json(),
+            "cuda_graphs": self.graph_mode or "off",
+            **({"graphs_captured": sum(g.captured for g in self.graphed.values()),
+                "graph_replays": sum(g.replays for g in self.graphed.values()),
+                "graph_eager_forwards": sum(g.eager_forwards for g in self.graphed.values())} if self.graphed else {}),
             **({"draft_backlog": self.backlog_cap, "draft_ingests": self.draft_ingests} if self.policy else {}),
         }
+
+
+def graph_mode(setting: str, device: torch.device, batched: bool) -> GraphMode | None:
+    """How verify forwards run for ``--cuda-graphs setting``: ``"cuda"`` (graph replays), ``"emulate"``
+    (the same fixed-buffer path without graphs, on CPU) or None (eager, growing caches)."""
+    if setting == "off" or (setting == "auto" and (device.type != "cuda" or not batched)):
+        return None
+    if setting not in ("auto", "on"):
+        raise UsageError(f"--cuda-graphs {setting!r}: use auto, on or off")
+    if not batched:
+        raise UsageError("--cuda-graphs on needs a model whose sequences run as rows of one batch (full attention, "
+                         "sdpa or eager kernels); this one runs one forward per sequence: use --cuda-graphs auto or off")
+    return "cuda" if device.type == "cuda" else "emulate"
 
 
 def _ragged_counts(rows: list[list[int]]) -> list[int] | None:
