@@ -5,6 +5,9 @@ A diagnostic, not a goal: it answers "why is this configuration slower than that
 plain round inside a drafting run against a round of a ``--num-spec-tokens 0`` run). Usage::
 
     python3 bench/phases.py --device cuda --out DIR [--pair DIR] [--c 1,8] [--k 0,3] [--tokens 128]
+                            [--variants "--cuda-graphs off;--cuda-graphs auto"]
+
+``--variants``: ``;``-separated sets of extra ``generate`` options, each run for every (c, k, policy).
 
 Every (c, k, policy) run writes its whole ``generate`` JSON to ``DIR/phases_runs.jsonl`` and the table
 to ``DIR/phases.txt``. ``PIPESPEC_PHASE_SYNC=1`` / ``PIPESPEC_PROFILE=DIR`` in the environment apply to
@@ -48,7 +51,8 @@ def table(records: list[dict[str, Any]]) -> str:
     for rec in records:
         gen = rec["generate"]
         rounds = max(1, gen["rounds"])
-        head = (f"c={rec['c']} k={rec['k']} {rec['spec_policy']}: {gen['tokens_per_s']} tokens/s, {gen['rounds']} rounds"
+        variant = f" [{rec['variant']}]" if rec.get("variant") else ""
+        head = (f"c={rec['c']} k={rec['k']} {rec['spec_policy']}{variant}: {gen['tokens_per_s']} tokens/s, {gen['rounds']} rounds"
                 f" ({gen.get('spec_rounds', 0)} drafting, {gen.get('plain_rounds', gen['rounds'] if not rec['k'] else 0)} plain),"
                 f" acceptance {gen['mean_acceptance_length']}")
         lines.append(head)
@@ -67,6 +71,7 @@ def main() -> int:
     parser.add_argument("--c", default="1,8", help="concurrencies (prompts per run)")
     parser.add_argument("--k", default="0,3", help="draft lengths (0: plain decoding)")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
+    parser.add_argument("--variants", default="", help="';'-separated extra generate options, one run each")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -78,13 +83,14 @@ def main() -> int:
         raise SystemExit(f"{target}: no tokenizer to cut held-out prompts with")
     records = []
     with tempfile.TemporaryDirectory() as tmp:
-        for c, k, policy in _runs(cs, ks):
+        for (c, k, policy), variant in ((run, v) for run in _runs(cs, ks) for v in args.variants.split(";")):
             path = Path(tmp) / f"prompts_{c}.jsonl"
             path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts[:c]))
             gen = cli_json(["generate", "--target", str(target), "--draft", str(draft), "--pp", "2", "--prompts-file", str(path),
                             "--max-new-tokens", str(args.tokens), "--num-spec-tokens", str(k), "--ignore-eos",
-                            "--device", args.device, "--spec-policy", policy, "--json"], f"generate c={c} k={k} {policy}")
-            record = {"c": c, "k": k, "spec_policy": policy, "generate": gen}
+                            "--device", args.device, "--spec-policy", policy, "--json", *variant.split()],
+                           f"generate c={c} k={k} {policy} {variant}")
+            record = {"c": c, "k": k, "spec_policy": policy, "variant": variant.strip(), "generate": gen}
             append_jsonl(out / "phases_runs.jsonl", record)
             records.append(record)
             print(table([record]), end="", flush=True)
