@@ -33,6 +33,10 @@ API (stable; the engine codes against it)::
     kept = merged.select([0, 2])                                # a copy holding those rows, in that order
     cache.crop(lengths)                                         # validated rollback (see crop)
 
+    # fixed storage for CUDA graphs (pipespec.engine.draft_graph): an *adopted* cache lives in it
+    storage = DraftStorage(max_rows, num_kv_heads, head_dim, capacity=C, dtype=dtype, device=device)
+    cache = storage.adopt(cache)                 # rows copied in; select/concat keep it adopted, in place
+
 ``num_valid`` is best passed as host integers (a list, or a CPU tensor): they are validated, copied to
 the device once (pinned, non-blocking on CUDA), and let the cache keep exact host-side lengths, so
 attention spans never drift past the longest row. A device tensor is used as is, unvalidated. Neither
@@ -71,7 +75,7 @@ from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-__all__ = ["DraftKVCache", "Eagle3Draft", "Eagle3DraftConfig", "Eagle3DraftLayer", "RMSNorm"]
+__all__ = ["DraftKVCache", "DraftStorage", "Eagle3Draft", "Eagle3DraftConfig", "Eagle3DraftLayer", "RMSNorm"]
 
 
 @dataclass(frozen=True)
@@ -227,6 +231,98 @@ def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
+class DraftStorage:
+    """Fixed storage for up to ``max_rows`` cache rows that *adopted* caches live in (for CUDA graphs).
+
+    An adopted ``DraftKVCache`` holds views of the storage's first ``B`` rows (keys, values, lengths), so
+    the addresses a captured graph reads and writes never change. Whatever would give an adopted cache
+    new tensors works in place instead: its lengths advance and crop in place, ``select`` and ``concat``
+    (with an adopted cache first) write their rows into the same storage, packed to the front, and return
+    a new adopted cache, and ``reserve`` never grows it (past ``capacity`` it is an error). Each of those
+    writes makes the storage's earlier adopted caches stale (their views now show other rows): using one
+    again raises instead of reading them. Only one adopted cache of a storage is current at a time.
+
+    Slots past a row's length may hold another row's old entries; they are never read (attention is
+    bounded or masked by position), as with the padded writes of ragged batches.
+    """
+
+    def __init__(
+        self, max_rows: int, num_kv_heads: int, head_dim: int, *, capacity: int,
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    ) -> None:
+        if max_rows < 1 or capacity < 1:
+            raise ValueError(f"draft storage needs max_rows >= 1 and capacity >= 1, got {max_rows} and {capacity}")
+        # Plain tensors even when made inside inference_mode: adopted caches may be written outside it too.
+        with torch.inference_mode(False):
+            self.key = torch.zeros(max_rows, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+            self.value = torch.zeros_like(self.key)
+            self.lengths = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.generation = 0  # bumped by every write of rows: adopted caches of older generations are stale
+
+    @property
+    def max_rows(self) -> int:
+        return int(self.key.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.key.shape[2])
+
+    def adopt(self, cache: DraftKVCache) -> DraftKVCache:
+        """A cache in this storage with ``cache``'s rows, lengths and host lengths (copied in); ``cache``
+        itself when it already lives here. Its earlier adopted caches become stale."""
+        if cache._static is self:
+            self.check(cache)
+            return cache
+        return self._fill(0, [cache], cache.max_length, cache._host)
+
+    def check(self, cache: DraftKVCache) -> None:
+        """Refuse a stale adopted cache (one whose rows a later adopt/select/concat rewrote)."""
+        if cache._generation != self.generation:
+            raise RuntimeError(
+                "this draft cache is stale: its rows lived in static storage that a later adopt/select/concat "
+                "rewrote; use the cache that call returned"
+            )
+
+    def _fill(
+        self, start: int, parts: Sequence[DraftKVCache], max_length: int, host: list[int] | None,
+    ) -> DraftKVCache:
+        """Copy ``parts``' rows in after the first ``start`` rows (kept as they are); the adopted cache of all."""
+        rows = start + sum(part.batch_size for part in parts)
+        capacity = self.capacity
+        if rows > self.max_rows:
+            raise ValueError(
+                f"{rows} draft cache rows do not fit static storage of {self.max_rows} rows (max_rows); "
+                "make the storage (DraftGraphRunner max_rows) as large as the biggest batch"
+            )
+        mine = (self.key.shape[1], self.key.shape[3], self.key.dtype, self.key.device)
+        for part in parts:
+            theirs = (part.num_kv_heads, part.head_dim, part.dtype, part.device)
+            if theirs != mine:
+                raise ValueError(
+                    f"cannot place a draft cache with {theirs[0]} kv heads, head_dim {theirs[1]}, {theirs[2]} on "
+                    f"{theirs[3]} in static storage with {mine[0]} kv heads, head_dim {mine[1]}, {mine[2]} on {mine[3]}"
+                )
+            if part.max_length > capacity:
+                raise ValueError(
+                    f"a draft cache holding up to {part.max_length} positions does not fit static storage of "
+                    f"capacity {capacity}; size the capacity for the longest sequence plus the draft's lookahead"
+                )
+            if part._static is self:  # the current cache: rows [0, start), disjoint from where we write
+                self.check(part)
+        offset = start
+        for part in parts:
+            count, width = part.batch_size, min(part.capacity, capacity)
+            if count:
+                self.key[offset : offset + count, :, :width].copy_(part.key[:, :, :width])
+                self.value[offset : offset + count, :, :width].copy_(part.value[:, :, :width])
+                self.lengths[offset : offset + count].copy_(part._lengths)
+            offset += count
+        self.generation += 1
+        with torch.inference_mode(False):  # plain views: in-place writes must work inside and outside it
+            key, value, lengths = self.key[:rows], self.value[:rows], self.lengths[:rows]
+        return DraftKVCache._of(key, value, lengths, max_length, None if host is None else list(host), static=self)
+
+
 class DraftKVCache:
     """Per-row key/value storage of the draft's single attention layer, position-aligned with the target.
 
@@ -238,6 +334,9 @@ class DraftKVCache:
     ``max_length`` is a host-side upper bound of ``max(lengths)``: it sizes writes and attention spans
     without a device sync. While every update came with host-known counts (``num_valid`` as integers, int
     or list crops) the cache also keeps ``host_lengths``, and ``max_length`` is then exact.
+
+    A cache may be *adopted* into a ``DraftStorage`` (``storage`` is then that storage): it then works in
+    place in fixed tensors; see ``DraftStorage``.
     """
 
     def __init__(
@@ -252,8 +351,11 @@ class DraftKVCache:
 
     def _set(
         self, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor, max_length: int, host: list[int] | None,
+        static: DraftStorage | None = None,
     ) -> None:
         self.key, self.value = key, value
+        self._static = static  # the storage this cache is adopted into (its tensors are views of it), or None
+        self._generation = 0 if static is None else static.generation
         self._lengths = lengths
         self._host = host
         self.max_length = max_length
@@ -263,9 +365,10 @@ class DraftKVCache:
     @classmethod
     def _of(
         cls, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor, max_length: int, host: list[int] | None,
+        static: DraftStorage | None = None,
     ) -> DraftKVCache:
         cache = cls.__new__(cls)
-        cache._set(key, value, lengths, max_length, host)
+        cache._set(key, value, lengths, max_length, host, static)
         return cache
 
     # ------------------------------------------------------------------------------ shape
@@ -294,13 +397,22 @@ class DraftKVCache:
         return self.key.device
 
     @property
+    def storage(self) -> DraftStorage | None:
+        """The ``DraftStorage`` this cache is adopted into, or None."""
+        return self._static
+
+    @property
     def lengths(self) -> torch.Tensor:
         return self._lengths
 
     @lengths.setter
     def lengths(self, value: torch.Tensor) -> None:
         # Set from outside: the host copy can no longer be trusted (max_length must stay an upper bound).
-        self._lengths = value
+        if self._static is not None:
+            self._static.check(self)
+            self._lengths.copy_(value)
+        else:
+            self._lengths = value
         self._host = None
 
     @property
@@ -310,7 +422,13 @@ class DraftKVCache:
 
     # ------------------------------------------------------------------------------ rows
     def select(self, rows: Sequence[int]) -> DraftKVCache:
-        """A new cache holding copies of ``rows`` (in that order); same capacity, dtype and device."""
+        """A new cache holding copies of ``rows`` (in that order); same capacity, dtype and device.
+
+        On an adopted cache the rows are written back into its storage (packed to the front) and the
+        result is adopted there too; this cache is stale afterwards.
+        """
+        if self._static is not None:
+            self._static.check(self)
         size = self.batch_size
         picked = [operator.index(r) for r in rows]
         bad = [r for r in picked if not 0 <= r < size]
@@ -323,11 +441,19 @@ class DraftKVCache:
 
         host = None if self._host is None else [self._host[r] for r in picked]
         max_length = self.max_length if host is None else max(host, default=0)
-        return DraftKVCache._of(take(self.key), take(self.value), take(self._lengths), max_length, host)
+        picked_rows = DraftKVCache._of(take(self.key), take(self.value), take(self._lengths), max_length, host)
+        if self._static is None:
+            return picked_rows
+        return self._static._fill(0, [picked_rows], max_length, host)
 
     @classmethod
     def concat(cls, caches: Sequence[DraftKVCache]) -> DraftKVCache:
-        """One cache holding the rows of ``caches`` in order; smaller capacities are padded to the largest."""
+        """One cache holding the rows of ``caches`` in order; smaller capacities are padded to the largest.
+
+        When the first cache is adopted, the others' rows are written into its storage after its own (which
+        stay in place) and the result is adopted there, with the storage's capacity; the first is stale
+        afterwards.
+        """
         parts = list(caches)
         if not parts:
             raise ValueError("DraftKVCache.concat needs at least one cache")
@@ -340,15 +466,19 @@ class DraftKVCache:
                     f"cannot concat draft caches: cache {i} has {mine[0]} kv heads, head_dim {mine[1]}, {mine[2]} on "
                     f"{mine[3]}; cache 0 has {theirs[0]} kv heads, head_dim {theirs[1]}, {theirs[2]} on {theirs[3]}"
                 )
+        host: list[int] | None = []
+        for part in parts:
+            host = None if host is None or part._host is None else host + part._host
+        static = first._static
+        if static is not None:
+            static.check(first)
+            return static._fill(first.batch_size, parts[1:], max(part.max_length for part in parts), host)
         capacity = max(part.capacity for part in parts)
 
         def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
             padded = [t if t.shape[2] == capacity else F.pad(t, (0, 0, 0, capacity - t.shape[2])) for t in tensors]
             return torch.cat(padded)
 
-        host: list[int] | None = []
-        for part in parts:
-            host = None if host is None or part._host is None else host + part._host
         return cls._of(
             stack([p.key for p in parts]), stack([p.value for p in parts]), torch.cat([p._lengths for p in parts]),
             max(part.max_length for part in parts), host,
@@ -356,8 +486,19 @@ class DraftKVCache:
 
     # ------------------------------------------------------------------------------ storage
     def reserve(self, extra: int) -> None:
-        """Grow storage (doubling) so ``extra`` more positions fit after the longest row."""
+        """Grow storage (doubling) so ``extra`` more positions fit after the longest row.
+
+        An adopted cache never grows: past its storage's capacity this raises.
+        """
         needed = self.max_length + extra
+        if self._static is not None:
+            self._static.check(self)
+            if needed > self.capacity:
+                raise ValueError(
+                    f"the draft cache is adopted into static storage of capacity {self.capacity}, which does not "
+                    f"grow: {extra} more positions after the longest row ({self.max_length}) need {needed}; size "
+                    "the capacity for the longest sequence plus the widest update plus the draft's lookahead"
+                )
         if needed <= self.capacity:
             return
         new_cap = max(needed, 2 * self.capacity)
@@ -390,10 +531,17 @@ class DraftKVCache:
             values = [operator.index(n) for n in lengths]
             if len(values) != size:
                 raise ValueError(f"crop lengths have shape ({len(values)},), the cache has {size} rows")
+        if self._static is not None:
+            self._static.check(self)
         current = self._host if self._host is not None else [int(n) for n in self._lengths.tolist()]
         if any(not 0 <= new <= old for new, old in zip(values, current, strict=True)):
             raise ValueError(f"crop to {values} is outside the cached lengths {current}")
-        if isinstance(lengths, int):
+        if self._static is not None:  # in place: the storage's addresses stay
+            if isinstance(lengths, int):
+                self._lengths.fill_(lengths)
+            else:
+                self._lengths.copy_(_long_on(values, self._lengths.device))
+        elif isinstance(lengths, int):
             self._lengths = torch.full_like(self._lengths, lengths)
         else:
             self._lengths = _long_on(values, self._lengths.device)
@@ -433,14 +581,21 @@ class DraftKVCache:
 
     def _advance(self, steps: int, counts: _Counts | None) -> None:
         """Count ``steps`` newly written positions for every row, or ``counts`` of them where given."""
-        if counts is None or counts.device is None:
-            self._lengths = self._lengths + steps
+        added: torch.Tensor | int = steps if counts is None or counts.device is None else counts.device
+        if self._static is not None:  # in place: the storage's addresses stay
+            self._lengths.add_(added)
+        else:
+            self._lengths = self._lengths + added
+        self._count(steps, None if counts is None else counts.host, every=isinstance(added, int))
+
+    def _count(self, steps: int, host_counts: Sequence[int] | None, *, every: bool) -> None:
+        """The host side of an advance (device lengths untouched): every row by ``steps`` (``every``), or
+        by ``host_counts`` when known (else the host lengths are lost and ``max_length`` grows by ``steps``)."""
+        if every:
             self._host = None if self._host is None else [n + steps for n in self._host]
             self.max_length += steps
-            return
-        self._lengths = self._lengths + counts.device
-        if self._host is not None and counts.host is not None:
-            self._host = [n + c for n, c in zip(self._host, counts.host, strict=True)]
+        elif self._host is not None and host_counts is not None:
+            self._host = [n + c for n, c in zip(self._host, host_counts, strict=True)]
             self.max_length = max(self._host, default=0)
         else:
             self._host = None
