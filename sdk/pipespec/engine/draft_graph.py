@@ -164,10 +164,13 @@ class DraftGraphRunner:
         bsz, steps = next_ids.shape
         shape = (bsz, steps, num_tokens)
         pieces = self._pieces(aux, bsz, steps)
-        if shape in self._eager_shapes or pieces is None:
+        if pieces is None:
             return self._eager(aux, next_ids, cache, num_tokens, num_valid)
+        # Checked before anything is written, on the eager path too (whose reserve would refuse mid-way).
         counts, host_counts, every = self._counts(num_valid, bsz, steps)
         self._check_room(cache, steps, num_tokens, host_counts, every)
+        if shape in self._eager_shapes:
+            return self._eager(aux, next_ids, cache, num_tokens, num_valid)
         self._check_weights()
         captured = self._captured.get(shape)
         fresh = captured is None
