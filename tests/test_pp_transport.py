@@ -199,3 +199,16 @@ def test_slow_loading_is_bounded_by_the_load_timeout_not_the_step_timeout() -> N
     assert run_stages(_slow_loader_stage, 4.0, 2, timeout_s=1.5, load_timeout_s=60) == ["ok", "ok"]
     with pytest.raises(StageFailedError, match="stage 1 failed: PeerLostError: step broadcast from stage 1"):
         run_stages(_slow_loader_stage, 8.0, 2, timeout_s=1.5)
+
+
+def test_step_messages_travel_on_gloo_unless_the_environment_keeps_the_stage_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipespec.errors import UsageError
+    from pipespec.pp.transport import STEP_BACKEND_ENV, step_backend
+
+    monkeypatch.delenv(STEP_BACKEND_ENV, raising=False)
+    assert step_backend("nccl") == "gloo"  # host messages: no NCCL call, no device copy per round
+    monkeypatch.setenv(STEP_BACKEND_ENV, "device")
+    assert step_backend("nccl") == "nccl" and step_backend("gloo") == "gloo"
+    monkeypatch.setenv(STEP_BACKEND_ENV, "tcp")
+    with pytest.raises(UsageError, match="PIPESPEC_STEP_BACKEND='tcp'"):
+        step_backend("nccl")
