@@ -172,6 +172,9 @@ def test_generate_with_graphs_gives_the_tokens_of_eager_decoding(capsys: pytest.
     for stage in graphed["stages"]:
         assert stage["cuda_graphs"] == "emulate"
         assert stage["graphs_captured"] >= 2 and stage["graph_replays"] > 0 and stage["graph_eager_forwards"] == 0
+    last = graphed["stages"][-1]
+    # Proposals of running rows replay draft graphs; only the prefill proposals (new rows' own caches) run eagerly.
+    assert last["draft_graphs"] >= 4 and last["draft_graph_replays"] > 0 and last["draft_eager_proposals"] == 0
     assert all(stage["cuda_graphs"] == "off" for stage in eager["stages"])
 
 

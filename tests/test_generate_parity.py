@@ -279,22 +279,23 @@ def test_overlap_aux_transport_is_lossless_and_equals_relay(ckpts: dict[str, Pat
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backlog", ["256", "3"])
+@pytest.mark.parametrize(("backlog", "graphs"), [("256", "off"), ("3", "off"), ("3", "on")])
 def test_adaptive_policy_is_lossless_and_resumes_drafting_with_full_context(
     ckpts: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-    backlog: str,
+    backlog: str, graphs: str,
 ) -> None:
     """The default policy measures both modes, so a long run has plain steps (no drafts) and speculative
     steps after them; the draft must then propose from its full context (the positions verified while
     not speculating, ingested late): every speculative step's drafts equal the from-scratch oracle. With a
     backlog of 3 positions the draft also ingests in the middle of plain stretches (the stage processes
-    inherit the environment)."""
+    inherit the environment). With ``--cuda-graphs on`` (emulated on CPU) the verify forwards and the
+    proposals run on fixed buffers and the backlog is ingested into the fixed draft storage."""
     monkeypatch.setenv("PIPESPEC_DRAFT_BACKLOG", backlog)
     prompts = [([5, 17, 3, 42, 8], 160), ([7, 9], 150)]
     path = tmp_path / "long.jsonl"
     path.write_text("".join(json.dumps({"prompt_ids": p, "max_new_tokens": m}) + "\n" for p, m in prompts))
     result = generate(capsys, "--target", str(ckpts["llama"]), "--draft", str(ckpts["llama_draft_b"]), "--pp", "2",
-                      "--prompts-file", str(path), "--num-spec-tokens", "3", policy="adaptive")
+                      "--prompts-file", str(path), "--num-spec-tokens", "3", "--cuda-graphs", graphs, policy="adaptive")
     check_against_oracles(result, ckpts["llama"], ckpts["llama_draft_b"], prompts, 3)
     assert result["spec_policy"] == "adaptive" and result["plain_rounds"] > 0
     resumed = [
@@ -304,6 +305,8 @@ def test_adaptive_policy_is_lossless_and_resumes_drafting_with_full_context(
     assert any(resumed), "no speculative step followed a plain one"
     last = result["stages"][-1]
     assert last["draft_backlog"] == int(backlog) and last["draft_ingests"] >= 1
+    if graphs == "on":
+        assert last["graph_replays"] > 0 and last["draft_graph_replays"] > 0 and last["draft_eager_proposals"] == 0
 
 
 @pytest.mark.timeout(300)

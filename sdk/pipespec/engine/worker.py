@@ -49,6 +49,7 @@ import torch
 from pipespec.embed import spec_decode_needs_target_embed
 from pipespec.engine import step as stepmsg
 from pipespec.engine.cuda_graphs import GraphedForwards, GraphMode
+from pipespec.engine.draft_graph import DraftGraphRunner
 from pipespec.engine.job import GenerateJob, Request
 from pipespec.engine.microbatch import Launch, MicroBatch, Scheduler, default_micro_batches
 from pipespec.engine.phases import PhaseClock, maybe_profile
@@ -210,6 +211,19 @@ class StageRunner:
         self.backlog_positions: dict[int, int] = {}  # positions held per request (the sum of its backlog)
         self.backlog_cap = draft_backlog()
         self.draft_ingests = 0  # one-pass ingestions of a backlog (while or after decoding plainly)
+        # The draft's proposals from CUDA graphs too (last stage): fixed draft storage per micro-batch.
+        self.draft_runners: list[DraftGraphRunner] = []
+        if self.graph_mode is not None and draft is not None and self.k:
+            longest_seq = max(len(r.prompt_ids) + r.max_new_tokens for r in job.requests)
+            longest_new = max(r.max_new_tokens for r in job.requests)
+            # The longest row, plus the widest update (a held-back backlog, or k + 1 verified positions)
+            # and the k - 1 draft steps past it.
+            draft_capacity = longest_seq + max(min(self.backlog_cap, longest_new), self.k + 1) + 2 * self.k + 2
+            self.draft_runners = [
+                DraftGraphRunner(draft, max_rows=self.slots, capacity=draft_capacity, num_tokens=self.k, mode=self.graph_mode)
+                for _ in range(micro_batches)
+            ]
+        self.draft_runner_of: dict[int, DraftGraphRunner] = {id(r.storage): r for r in self.draft_runners}
         self.step = 0  # rounds launched, all micro-batches together
         self.forwards = 0  # target forwards run by this stage
         self.round_draft_s = 0.0  # seconds the draft took in the current round's verify steps (last stage)
@@ -293,8 +307,13 @@ class StageRunner:
         self._ingest(batch)
         ids = to_device(pad_rows(next_ids), self.ctx.device)
         width = ids.shape[1]
-        return self.draft.propose([a[:, :width] for a in aux], ids, batch.draft_cache, num_tokens=self.k,
-                                  num_valid=_ragged_counts(next_ids)).tolist()
+        return self._drafter(batch).propose([a[:, :width] for a in aux], ids, batch.draft_cache, num_tokens=self.k,
+                                            num_valid=_ragged_counts(next_ids)).tolist()
+
+    def _drafter(self, batch: RowBatch) -> Any:
+        """The draft, or the graph runner whose storage holds ``batch``'s draft cache."""
+        storage = getattr(batch.draft_cache, "storage", None)
+        return self.draft_runner_of.get(id(storage), self.draft) if storage is not None else self.draft
 
     def _ingest(self, batch: RowBatch) -> None:
         """Feed the draft the backlog of ``batch``'s rows (positions verified while not speculating)."""
@@ -312,7 +331,7 @@ class StageRunner:
             if entry:
                 features[b, : counts[b]] = torch.cat([f for f, _ in entry])
         ids = to_device(pad_rows([r or [0] for r in rows]), self.ctx.device)  # a row with nothing new: counts 0
-        self.draft.extend(features, ids, batch.draft_cache, num_valid=_ragged_counts(rows))
+        self._drafter(batch).extend(features, ids, batch.draft_cache, num_valid=_ragged_counts(rows))
 
     # ------------------------------------------------------------------------------ one round
     def _prefill(self, rows: list[int], speculate: bool) -> tuple[RowBatch, list[stepmsg.SeqUpdate] | None]:
@@ -406,6 +425,8 @@ class StageRunner:
             batches = [RowBatch.merge(batches)]
         if self.stores and batches:
             batches[0].cache = self.stores[index].adopt(batches[0].cache)  # in place when it is already there
+        if self.draft_runners and batches and batches[0].draft_cache is not None:
+            batches[0].draft_cache = self.draft_runners[index].adopt(batches[0].draft_cache)
         self.batches[index] = batches
 
     # ------------------------------------------------------------------------------ the schedule
@@ -499,6 +520,8 @@ class StageRunner:
             if out is not None and self.k:
                 self._draft(batch, out[1], [[0]] * rows, True)
             batch.resolve([3] * rows)
+            if out is not None and self.draft_runners:
+                self._warm_draft(batch, out[1], rows)
             # Capture the verify (k + 1 tokens) and plain (1 token) forwards of a full micro-batch now
             # rather than in the first rounds; other row counts are captured when they first occur.
             for store in self.stores:
@@ -514,6 +537,17 @@ class StageRunner:
         self.clock = PhaseClock(self.ctx.device)  # the rounds' phases and forwards only
         self.forwards = 0
         return time.perf_counter() - started
+
+    def _warm_draft(self, batch: RowBatch, aux: list[torch.Tensor], rows: int) -> None:
+        """Capture every runner's proposals of a full micro-batch (1 to k + 1 verified positions per row)
+        on a throwaway draft cache; other row counts are captured when they first occur."""
+        for runner in self.draft_runners:
+            cache = runner.adopt(self.draft.new_cache(rows, capacity=runner.capacity))
+            for steps in range(1, self.k + 2):
+                features = [a[:, :1].expand(rows, steps, a.shape[-1]).contiguous() for a in aux]
+                ids = torch.zeros(rows, steps, dtype=torch.long, device=self.ctx.device)
+                runner.propose(features, ids, cache, num_tokens=self.k)
+                cache.crop(0)
 
     def run(self) -> float:
         """Decode every sequence to completion; the wall time in seconds."""
@@ -549,6 +583,9 @@ class StageRunner:
             **({"graphs_captured": sum(g.captured for g in self.graphed.values()),
                 "graph_replays": sum(g.replays for g in self.graphed.values()),
                 "graph_eager_forwards": sum(g.eager_forwards for g in self.graphed.values())} if self.graphed else {}),
+            **({"draft_graphs": sum(r.graphs for r in self.draft_runners),
+                "draft_graph_replays": sum(r.replays for r in self.draft_runners),
+                "draft_eager_proposals": sum(r.eager_calls for r in self.draft_runners)} if self.draft_runners else {}),
             **({"draft_backlog": self.backlog_cap, "draft_ingests": self.draft_ingests} if self.policy else {}),
         }
 
