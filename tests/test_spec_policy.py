@@ -67,6 +67,8 @@ def test_prefill_rounds_are_not_measured() -> None:
 
 
 def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="bound_slack must be >= 1"):
+        SpecPolicy("adaptive", bound_slack=0.5)
     with pytest.raises(ValueError, match="unknown speculation policy"):
         SpecPolicy("sometimes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="window"):
@@ -94,12 +96,22 @@ def test_ends_up_no_slower_than_the_worse_mode_and_close_to_the_better(
 
 
 def test_plain_decoding_is_not_probed_when_drafting_beats_its_bound() -> None:
-    """Round 1.5 (draft 0.5 of it) committing 3 tokens: plain could reach at most 1 / (1.5 - 0.5) = 1 token
-    per unit, drafting does 2: plain decoding is never run."""
+    """Round 1.5 (draft 0.5 of it) committing 6 tokens: plain is estimated at best 1 / (1.5 - 0.5) = 1 token
+    per unit, drafting does 4, more than bound_slack (2.5) times that: plain decoding is never run."""
     policy = SpecPolicy("adaptive", window=4)
-    modes = simulate(policy, 300, spec_cost=1.5, spec_tokens=3, plain_cost=1.0, draft_cost=0.5)
+    modes = simulate(policy, 300, spec_cost=1.5, spec_tokens=6, plain_cost=1.0, draft_cost=0.5)
     assert all(modes) and policy.plain_rounds == 0
-    assert policy.rates() == {"speculate": 2.0, "plain": 1.0, "plain_bound": True}
+    assert policy.rates() == {"speculate": 4.0, "plain": 1.0, "plain_bound": True}
+
+
+def test_an_estimate_beaten_by_less_than_the_slack_is_checked_by_measuring() -> None:
+    """What 2x H200 showed at c = 8 (per row): a round of 3.9 (draft 1.4 of it) commits 2.1 tokens; the
+    estimate 1 / 2.5 = 0.4 tokens per unit is beaten (0.54), but plain rounds really cost 1.3 (0.77 per
+    unit, above the estimate): plain decoding must be measured, then chosen."""
+    policy = SpecPolicy("adaptive", window=4, settle=2)
+    modes = simulate(policy, 300, spec_cost=3.9, spec_tokens=2, plain_cost=1.3, draft_cost=1.4)
+    assert modes[100:].count(False) > 0.8 * 200
+    assert policy.rates()["plain_bound"] is False and policy.rates()["plain"] > policy.rates()["speculate"]
 
 
 def test_plain_decoding_is_probed_and_chosen_when_the_bound_does_not_rule_it_out() -> None:
