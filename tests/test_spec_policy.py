@@ -121,3 +121,24 @@ def test_plain_decoding_is_probed_and_chosen_when_the_bound_does_not_rule_it_out
     modes = simulate(policy, 300, spec_cost=3.0, spec_tokens=2, plain_cost=0.5, draft_cost=2.5)
     assert modes[100:].count(False) > 0.6 * 200
     assert policy.rates()["plain_bound"] is False
+
+
+def test_a_change_of_load_restarts_the_measuring() -> None:
+    """Full load: drafting commits 2.4 tokens per row at 2.2 the cost of a plain round, and wins. Then
+    six of eight sequences finish: the two left accept little (1.2 per row), and plain decoding wins for
+    them. The long exploit period decided at full load must not outlive the load it was measured at."""
+    policy = SpecPolicy("adaptive", window=4, settle=2, exploit=48, max_exploit=48)
+    now, modes, queue = 0.0, [], deque([True, True])
+    for i in range(600):
+        load = 8 if i < 200 else 2
+        mode = queue.popleft()
+        per_row = (2.4 if load == 8 else 1.2) if mode else 1.0
+        now += 2.2 if mode else 1.0  # launch-bound: a round costs the same whatever the rows
+        policy.record(mode, round(per_row * load), now, rows=load, load=load)
+        queue.append(policy.speculate())
+        modes.append(mode)
+    assert modes[20:200].count(True) > 0.8 * 180  # drafting at full load
+    # Plain within a few rounds of the drop (measured anew), every round after that; without the load
+    # the exploit period measured at full load would keep drafting for ~100 more rounds.
+    assert all(not m for m in modes[220:280]) and modes[280:].count(False) > 0.9 * 320
+    assert policy.load_changes == 1

@@ -14,8 +14,10 @@ threshold for the same effect). ``--spec-policy adaptive`` measures instead of g
 * it runs in *windows* of ``W`` measured rounds: one window of the mode it runs now, one of the other
   (after a switch it skips the rounds still in flight from the old mode), then the faster mode (tokens
   per second) runs for ``exploit`` times the seconds the slower one cost in that cycle, then both are
-  measured again, so a change of load (sequences finishing, new ones arriving) is noticed within a
-  bounded time. While the same mode keeps winning, that factor doubles (up to ``max_exploit``), so
+  measured again. A change of load — the number of running sequences, when the engine passes it:
+  sequences finishing, new ones arriving — starts a new measuring cycle at once: rates measured with 8
+  sequences say little about 2 (on 2x H200 the sequences left at the end of a fixed batch were the ones
+  drafting accepted least, and the winner at full load was the loser for them). While the same mode keeps winning, that factor doubles (up to ``max_exploit``), so
   probing the losing mode costs at most 1/7 of the time at first, then a few percent;
 * it prefers speculating: plain decoding is chosen only when it was measured at least ``margin`` faster;
 * it does not run plain decoding to learn what it already knows: a speculative window also records
@@ -99,6 +101,8 @@ class SpecPolicy:
     _last_best: bool = True
     _decided: tuple[float, float] = (0.0, 0.0)  # (speculate, plain) tokens/s behind the last decision
     _plain_bounded: bool = False  # the plain figure is the bound, not a measurement
+    _load: int | None = None  # running sequences when the current cycle started (None: not given)
+    load_changes: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -120,17 +124,27 @@ class SpecPolicy:
         self._mode = mode
 
     def record(self, speculated: bool, tokens: int, now: float, prefill: bool = False, rows: int = 0,
-               draft_seconds: float = 0.0) -> None:
+               draft_seconds: float = 0.0, load: int | None = None) -> None:
         """One published round: did it carry drafts, how many tokens it committed, when it was published
         (``time.perf_counter()``), whether it prefilled any sequence (then it is not measured), how many
         sequences it verified and the seconds the draft took in it (both optional: without them plain
-        decoding is always measured, never bounded)."""
+        decoding is always measured, never bounded), and the running sequences now (``load``, optional:
+        a change restarts the measuring)."""
         last, self._last = self._last, now
         if speculated:
             self.spec_rounds += 1
         else:
             self.plain_rounds += 1
         if self.policy == "always" or last is None:
+            self._load = load
+            return
+        if load is not None and load != self._load:
+            if self._load is not None:
+                self.load_changes += 1
+                self._measuring = [self._mode, not self._mode]  # the current mode first: one switch fewer
+                self._measured = {True: _Window(), False: _Window()}
+                self._spent = {True: 0.0, False: 0.0}
+            self._load = load
             return
         if not self._measuring:  # exploiting the winner
             if now >= self._exploit_until:

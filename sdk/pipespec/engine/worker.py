@@ -489,7 +489,8 @@ class StageRunner:
             if self.policy is not None:
                 verified = [u for r, u in by_request.items() if r not in new]
                 self.policy.record(speculated, sum(u.accepted + 1 for u in verified), time.perf_counter(),
-                                   prefill=bool(new), rows=len(verified), draft_seconds=self.round_draft_s)
+                                   prefill=bool(new), rows=len(verified), draft_seconds=self.round_draft_s,
+                                   load=self.scheduler.running)
         else:
             self.channel.expect(mb.index)
 
@@ -737,7 +738,7 @@ def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
         "num_steps": max(len(s.acceptance) + s.plain_steps for s in runner.seqs),
         "spec_policy": job.spec_policy,
         **({"spec_rounds": runner.policy.spec_rounds, "plain_rounds": runner.policy.plain_rounds,
-            "policy_switches": runner.policy.switches, "policy_rates": runner.policy.rates()} if runner.policy else {}),
+            "policy_switches": runner.policy.switches, "policy_load_changes": runner.policy.load_changes, "policy_rates": runner.policy.rates()} if runner.policy else {}),
         "batched_forwards": runner.batched,
         "micro_batches": runner.scheduler.num_micro_batches,
         "slots_per_micro_batch": runner.slots,
