@@ -67,6 +67,8 @@ def test_prefill_rounds_are_not_measured() -> None:
 
 
 def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="load_ratio must be > 1"):
+        SpecPolicy("adaptive", load_ratio=1.0)
     with pytest.raises(ValueError, match="bound_slack must be >= 1"):
         SpecPolicy("adaptive", bound_slack=0.5)
     with pytest.raises(ValueError, match="unknown speculation policy"):
@@ -142,3 +144,14 @@ def test_a_change_of_load_restarts_the_measuring() -> None:
     # the exploit period measured at full load would keep drafting for ~100 more rounds.
     assert all(not m for m in modes[220:280]) and modes[280:].count(False) > 0.9 * 320
     assert policy.load_changes == 1
+
+
+def test_small_changes_of_load_wait_for_the_next_cycle() -> None:
+    """Sequences finishing one by one (8, 7, 6, 5) change the load by less than 2x: no restart until 4."""
+    policy = SpecPolicy("adaptive", window=4)
+    now = 0.0
+    for i in range(100):
+        load = 8 - min(i // 10, 4)  # 8 .. 4
+        now += 1.0
+        policy.record(True, 2 * load, now, rows=load, load=load)
+    assert policy.load_changes == 1  # 8 -> 4 only

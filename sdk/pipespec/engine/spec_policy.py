@@ -14,9 +14,9 @@ threshold for the same effect). ``--spec-policy adaptive`` measures instead of g
 * it runs in *windows* of ``W`` measured rounds: one window of the mode it runs now, one of the other
   (after a switch it skips the rounds still in flight from the old mode), then the faster mode (tokens
   per second) runs for ``exploit`` times the seconds the slower one cost in that cycle, then both are
-  measured again. A change of load — the number of running sequences, when the engine passes it:
-  sequences finishing, new ones arriving — starts a new measuring cycle at once: rates measured with 8
-  sequences say little about 2 (on 2x H200 the sequences left at the end of a fixed batch were the ones
+  measured again. A change of load by ``load_ratio`` (2x) or more since the cycle began — the number of
+  running sequences, when the engine passes it: sequences finishing, new ones arriving — starts a new
+  measuring cycle at once: rates measured with 8 sequences say little about 2 (on 2x H200 the sequences left at the end of a fixed batch were the ones
   drafting accepted least, and the winner at full load was the loser for them). While the same mode keeps winning, that factor doubles (up to ``max_exploit``), so
   probing the losing mode costs at most 1/7 of the time at first, then a few percent;
 * it prefers speculating: plain decoding is chosen only when it was measured at least ``margin`` faster;
@@ -77,7 +77,8 @@ class SpecPolicy:
     keeps winning), so probing the loser costs at most ``1 / (1 + exploit)`` of the time, falling to
     ``1 / (1 + max_exploit)``; ``margin``: how much faster plain decoding must be to be chosen;
     ``bound_slack``: how far drafting must beat plain decoding's estimated best rate for plain decoding
-    not to be measured at all.
+    not to be measured at all; ``load_ratio``: the change in running sequences (either way) that
+    restarts the measuring (smaller changes wait for the next cycle: every restart costs two windows).
     """
 
     policy: Policy = "adaptive"
@@ -87,6 +88,7 @@ class SpecPolicy:
     max_exploit: float = 48.0
     margin: float = 0.03
     bound_slack: float = 2.5
+    load_ratio: float = 2.0
     switches: int = 0
     plain_rounds: int = 0
     spec_rounds: int = 0
@@ -107,6 +109,8 @@ class SpecPolicy:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown speculation policy {self.policy!r}: use one of {', '.join(POLICIES)}")
+        if self.load_ratio <= 1:
+            raise ValueError(f"load_ratio must be > 1, got {self.load_ratio}")
         if self.bound_slack < 1:
             raise ValueError(f"bound_slack must be >= 1, got {self.bound_slack}")
         if self.window < 1 or self.settle < 0 or self.exploit <= 0 or self.max_exploit < self.exploit:
@@ -138,7 +142,8 @@ class SpecPolicy:
         if self.policy == "always" or last is None:
             self._load = load
             return
-        if load is not None and load != self._load:
+        if load is not None and (self._load is None or load * self.load_ratio <= self._load
+                                 or load >= self._load * self.load_ratio):
             if self._load is not None:
                 self.load_changes += 1
                 self._measuring = [self._mode, not self._mode]  # the current mode first: one switch fewer
