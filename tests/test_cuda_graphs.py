@@ -192,3 +192,34 @@ def test_cuda_graph_rounds_equal_from_scratch_forwards(llama: Path) -> None:
     pipe = _rounds(llama, 2, "cuda", torch.device("cuda"), torch.float32, 2e-3)
     for graphed in pipe.graphed:
         assert graphed.captured >= 2 and graphed.eager_forwards == 0
+
+
+def test_the_memory_estimate_is_what_a_store_allocates(llama: Path) -> None:
+    """``slot_bytes`` (checked against the free device memory before any buffer is made) equals the
+    buffers a store really makes, here for stage 1 of 2 of a GQA model."""
+    from pipespec.engine.slot_cache import slot_bytes
+
+    stage = build_target_stage(str(llama), 1, 2)
+    store = SlotStore(stage.new_cache, 3, 40, torch.device("cpu"))
+    batch = RowBatch(stage.new_cache(), [0, 1], torch.device("cpu"))
+    ids, positions, mask, _ = batch.inputs([[1, 2], [3, 4]], [0, 0])
+    hidden = torch.zeros(2, 2, stage.hidden_size)
+    from pipespec.intermediate import IntermediateTensors
+
+    received = IntermediateTensors({key: hidden.clone() for key in stage.receive_keys()})
+    stage.forward(batch.cache, positions, received=received, attention_mask=mask)
+    store.adopt(batch.cache)
+    made = sum(layer.key_buffer.nbytes + layer.value_buffer.nbytes for layer in store.layers)
+    layers = stage.stage.end_layer - stage.stage.start_layer
+    assert slot_bytes(stage.resolved.config, layers, 3, 40, torch.float32) == made > 0
+
+
+def test_graphs_that_do_not_fit_fall_back_or_are_refused() -> None:
+    from pipespec.engine.worker import graphs_fit
+    from pipespec.errors import UsageError
+
+    gib = 2**30
+    assert graphs_fit("auto", 10 * gib, 40 * gib) == "cuda"
+    assert graphs_fit("auto", 30 * gib, 40 * gib) is None  # auto: decode eagerly instead
+    with pytest.raises(UsageError, match="need 30.00 GiB, more than half of the 40.00 GiB free"):
+        graphs_fit("on", 30 * gib, 40 * gib)

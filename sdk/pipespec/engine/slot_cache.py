@@ -26,7 +26,19 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["SlotLayer", "SlotStore"]
+__all__ = ["SlotLayer", "SlotStore", "slot_bytes"]
+
+
+def slot_bytes(config: Any, layers: int, rows: int, capacity: int, dtype: torch.dtype) -> int:
+    """Bytes of one ``SlotStore``'s buffers for ``layers`` owned layers of the model of ``config``: keys
+    and values of ``rows`` x ``capacity`` slots per layer (made before any is used, so the engine can
+    check they fit first)."""
+    get_text_config = getattr(config, "get_text_config", None)
+    text = get_text_config(decoder=True) if callable(get_text_config) else config
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return 2 * layers * rows * kv_heads * capacity * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
 class SlotLayer(DynamicLayer):

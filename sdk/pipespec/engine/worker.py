@@ -54,7 +54,7 @@ from pipespec.engine.job import GenerateJob, Request
 from pipespec.engine.microbatch import Launch, MicroBatch, Scheduler, default_micro_batches
 from pipespec.engine.phases import PhaseClock, maybe_profile
 from pipespec.engine.row_batch import RowBatch, batchable, pad_rows, to_device
-from pipespec.engine.slot_cache import SlotStore
+from pipespec.engine.slot_cache import SlotStore, slot_bytes
 from pipespec.engine.spec_policy import SpecPolicy
 from pipespec.engine.target import TargetStage, build_target_stage, resolve_target
 from pipespec.errors import UsageError
@@ -197,9 +197,17 @@ class StageRunner:
         self.graph_mode = graph_mode(job.cuda_graphs, ctx.device, self.batched)
         self.stores: list[SlotStore] = []
         self.graphed: dict[int, GraphedForwards] = {}  # by id(store.cache)
+        longest_seq = max(len(r.prompt_ids) + r.max_new_tokens for r in job.requests) + self.k + 1
+        capacity = longest_seq + max(8, longest_seq // 4) + self.k + 1  # RowBatch compacts past longest * 1.25
+        if self.graph_mode == "cuda":
+            layers = target.stage.end_layer - target.stage.start_layer
+            need = micro_batches * slot_bytes(target.resolved.config, layers, self.slots, capacity, target.dtype)
+            free, _total = torch.cuda.mem_get_info(ctx.device)
+            self.graph_mode = graphs_fit(job.cuda_graphs, need, free)
+            if self.graph_mode is None:
+                ctx.log(f"warning: --cuda-graphs auto: the fixed KV buffers would take {need / 2**30:.2f} GiB of the "
+                        f"{free / 2**30:.2f} GiB free on {ctx.device}; decoding eagerly", always=True)
         if self.graph_mode is not None:
-            longest_seq = max(len(r.prompt_ids) + r.max_new_tokens for r in job.requests) + self.k + 1
-            capacity = longest_seq + max(8, longest_seq // 4) + self.k + 1  # RowBatch compacts past longest * 1.25
             pool = torch.cuda.graph_pool_handle() if self.graph_mode == "cuda" else None
             for _ in range(micro_batches):
                 store = SlotStore(target.new_cache, self.slots, capacity, ctx.device)
@@ -604,6 +612,23 @@ def precapture_sizes(rows: int) -> list[int]:
     """The row counts whose graphs the warm-up captures, largest first: every count up to
     ``PRECAPTURE_MAX_ROWS``, else only the full micro-batch (the rest when they occur)."""
     return list(range(rows, 0, -1)) if rows <= PRECAPTURE_MAX_ROWS else [rows]
+
+
+GRAPH_MEMORY_SHARE = 0.5  # the fixed KV buffers may take at most this share of the free device memory
+
+
+def graphs_fit(setting: str, need: int, free: int) -> GraphMode | None:
+    """``"cuda"`` when ``need`` bytes of fixed KV buffers fit ``GRAPH_MEMORY_SHARE`` of ``free``; else None
+    for ``--cuda-graphs auto`` (decode eagerly: the growing caches only take what the sequences use) and
+    a usage error for ``on``."""
+    if need <= GRAPH_MEMORY_SHARE * free:
+        return "cuda"
+    if setting == "on":
+        raise UsageError(
+            f"--cuda-graphs on: the fixed KV buffers need {need / 2**30:.2f} GiB, more than half of the "
+            f"{free / 2**30:.2f} GiB free; lower --max-num-seqs or --max-new-tokens, or use --cuda-graphs auto/off"
+        )
+    return None
 
 
 def graph_mode(setting: str, device: torch.device, batched: bool) -> GraphMode | None:
