@@ -248,7 +248,8 @@ def _per_sequence(result: dict[str, Any]) -> list[Any]:
 @pytest.mark.timeout(600)
 def test_micro_batches_are_token_exact_with_one_batch_in_flight(model: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     """P = 2, 3, 4 with P micro-batches (P = 3 also behind --max-num-seqs 4) == P = 2 with one == P = 1,
-    and P = 1's tokens are transformers' greedy generate (EOS included), cancelled requests a prefix."""
+    and P = 1's tokens are transformers' greedy generate (EOS included), cancelled requests a prefix; the
+    same with ``--cuda-graphs on`` at P = 2 and 3."""
     base = _generate(capsys, model, "prompts", "--pp", "1")
     assert base["micro_batches"] == 1
     eos = base["eos_token_ids"]
@@ -275,6 +276,10 @@ def test_micro_batches_are_token_exact_with_one_batch_in_flight(model: dict[str,
         (["--pp", "2"], 2, 4),
         (["--pp", "3", "--partition", "1,2,1", "--max-num-seqs", "4"], 3, 2),
         (["--pp", "4"], 4, 2),
+        # Fixed KV buffers and draft storage (CUDA graphs, emulated on CPU) through EOS, cancellations and
+        # requests admitted into freed slots.
+        (["--pp", "2", "--cuda-graphs", "on"], 2, 4),
+        (["--pp", "3", "--partition", "1,2,1", "--max-num-seqs", "4", "--cuda-graphs", "on"], 3, 2),
     ):
         result = _generate(capsys, model, "prompts", *extra)
         assert (result["micro_batches"], result["slots_per_micro_batch"]) == (micro_batches, slots), extra
