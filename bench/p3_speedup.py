@@ -9,7 +9,8 @@ when the demo is absent), or with ``--pair DIR`` a pair ``bench/train_demo.py`` 
 from the Python standard library (the corpus of both; files they never trained on). Each run's raw
 ``generate`` JSON is appended to ``OUT/p3_runs.jsonl`` as it completes (with ``--out``). Concurrency c = the number of prompts in one ``--prompts-file`` run; every run decodes exactly M new
 tokens per prompt (``--ignore-eos``); tokens/s is the engine's own figure (decoding only, after its
-warm-up). Speedup = tokens/s(k) ÷ tokens/s(0) at the same c.
+warm-up). Speedup = tokens/s(k) ÷ tokens/s(0) at the same c; a full CPU run repeats the whole sweep
+3 times, interleaved, and uses the medians (``--quick`` and CUDA runs once, for their time budgets).
 
 On CUDA it adds a **projection** for a Llama-3-70B-shaped target (80 layers, H=8192, bf16), from step
 costs measured on one GPU: a decoder layer's forward at B·(k+1) tokens vs B tokens (weights-bound at
@@ -53,6 +54,12 @@ PUBLIC_TAU_K3 = 3.0
 GPU_RUNS_BUDGET_S = 150.0  # `pipespec bench all --device cuda` has to fit one ~8-minute device call
 
 
+def _repeats(quick: bool, device: str) -> int:
+    """Interleaved repeats of the whole sweep (medians are reported): 3 on a full CPU run, where a shared
+    machine moves single runs by +-20 %; 1 with --quick (the CI budget) and on CUDA (the one-call budget)."""
+    return 1 if quick or device == "cuda" else 3
+
+
 def _sweep(quick: bool, device: str) -> tuple[list[tuple[int, int, str]], int]:
     """(c, k, spec policy) runs (k = 0 before the other k of the same c) and new tokens per prompt.
 
@@ -68,6 +75,10 @@ def _sweep(quick: bool, device: str) -> tuple[list[tuple[int, int, str]], int]:
     if quick:
         return core, 32
     return [(c, k, "always") for c in (1, 8) for k in (0, 1, 3, 5)] + [(1, 3, "adaptive"), (8, 3, "adaptive")], 96
+
+
+def _fmt(values: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{v:.1f}" for v in values) + "]"
 
 
 def _pair(work: Path, pair: Path | None = None) -> tuple[Path, Path, str]:
@@ -122,12 +133,14 @@ def run(quick: bool, device: str, command: str, pair: Path | None = None) -> lis
     out_dir = os.environ.get("PIPESPEC_BENCH_OUT")
     results: list[Result] = []
     measured: dict[int, dict[tuple[int, str], dict[str, Any]]] = {}
+    rates: dict[tuple[int, int, str], list[float]] = {}  # tokens/s of every repeat
+    repeats = _repeats(quick, device)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         work = Path(tmp)
         target, draft, what = _pair(work, pair)
         prompts = _prompts(target, max(c for c, _, _ in runs))
         started = time.perf_counter()
-        for c, k, policy in runs:
+        for c, k, policy in [run for _ in range(repeats) for run in runs]:  # interleaved: drift hits every run alike
             if device == "cuda" and time.perf_counter() - started > GPU_RUNS_BUDGET_S and k and (0, "always") in measured.get(c, {}):
                 print(f"p3: skipping c={c} k={k} {policy}: the measured runs took over {GPU_RUNS_BUDGET_S:.0f} s "
                       "(the one-call GPU budget)", file=sys.stderr)
@@ -138,19 +151,24 @@ def run(quick: bool, device: str, command: str, pair: Path | None = None) -> lis
             # --quick (CPU CI budget) and CUDA (the one-call GPU budget) call the CLI's entry point in this
             # process, reusing the warm stage forkserver; a full CPU run starts it as a subprocess.
             in_process = quick or device == "cuda"
-            measured.setdefault(c, {})[k, policy] = _generate(target, draft, path, k, new_tokens, device, in_process,
-                                                              extra=("--spec-policy", policy))
+            generated = _generate(target, draft, path, k, new_tokens, device, in_process, extra=("--spec-policy", policy))
+            measured.setdefault(c, {}).setdefault((k, policy), generated)  # the first repeat's outputs and stats
+            rates.setdefault((c, k, policy), []).append(float(generated["tokens_per_s"]))
             if out_dir:
                 append_jsonl(Path(out_dir) / "p3_runs.jsonl", {"c": c, "k": k, "spec_policy": policy, "new_tokens": new_tokens,
-                                                               "device": device, "pair": what, "generate": measured[c][k, policy]})
+                                                               "device": device, "pair": what, "generate": generated})
     series: dict[str, tuple[list[float], list[float]]] = {}
     for c, by_k in measured.items():
         base = by_k[0, "always"]
+        base_rate = statistics.median(rates[c, 0, "always"])
         plain_ids = [o["output_ids"] for o in base["outputs"]]
         for (k, policy), res in sorted(by_k.items()):
             if k == 0:
                 continue
-            speedup = res["tokens_per_s"] / base["tokens_per_s"]
+            rate = statistics.median(rates[c, k, policy])
+            speedup = rate / base_rate
+            spread = (f" (medians of {repeats} interleaved runs: {_fmt(rates[c, k, policy])} vs {_fmt(rates[c, 0, 'always'])})"
+                      if repeats > 1 else "")
             same = [o["output_ids"] for o in res["outputs"]] == plain_ids
             goal = GOAL_GPU_C1 if device == "cuda" and c == 1 else 1.0
             suffix = "" if policy == "always" else f".{policy}"
@@ -158,7 +176,7 @@ def run(quick: bool, device: str, command: str, pair: Path | None = None) -> lis
                       f"(measured rates {res.get('policy_rates')})" if policy == "adaptive" else "")
             results.append(Result(
                 f"P3.speedup.c{c}.k{k}{suffix}", speedup, f">= {goal:g}", "x", speedup >= goal, dev, command,
-                detail=(f"--spec-policy {policy}: {res['tokens_per_s']:.1f} vs {base['tokens_per_s']:.1f} tokens/s, mean "
+                detail=(f"--spec-policy {policy}: {rate:.1f} vs {base_rate:.1f} tokens/s{spread}, mean "
                         f"acceptance length {res['mean_acceptance_length']:.2f}{rounds}, {new_tokens} new tokens x {c} "
                         f"prompts, outputs {'identical to' if same else 'DIFFER from'} plain decoding; {what}"),
             ))
