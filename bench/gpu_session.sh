@@ -15,7 +15,9 @@
 # failed or timed-out step does not stop the next ones. Output: $OUT/session.log (one line per step
 # start/end with rc and wall seconds), $OUT/<step>.log (each step's stdout+stderr), $OUT/{p5,p3,pipeline}/
 # (the bench JSON, plots, and p3_runs.jsonl / pipeline_runs.jsonl written run by run), and
-# $OUT/medium_metrics.json (train_demo's metrics.json).
+# $OUT/medium_metrics.json (train_demo's metrics.json). With COMPACT=1 (the default) only 8 files stay in
+# $OUT at the end (the device returns at most 8): session.log, tables.txt (every result line and the
+# training's tail), medium_metrics.json, p3.json, p3_runs.jsonl, pipeline.json, pipeline_runs.jsonl, p5.json.
 set -euo pipefail
 
 : "${OUT:?set OUT to the output directory}"
@@ -109,3 +111,19 @@ step pipeline $(( $(left) - 5 )) "${BENCH[@]}" pipeline --device "$DEVICE" --qui
   ${PIPE_PAIR[@]+"${PIPE_PAIR[@]}"}
 
 log "done: train rc=$TRAIN_RC, total $(elapsed)s"
+
+# --- what comes back --------------------------------------------------------------------------------
+# The device returns at most 8 files from $OUT: with COMPACT=1 (the default) the session leaves exactly
+# these there, and removes the rest (COMPACT=0 keeps every log, plot and JSON where the steps wrote them).
+if [[ "${COMPACT:-1}" == 1 ]]; then
+  KEEP="$OUT/.keep"
+  mkdir -p "$KEEP"
+  { grep -h "P3\.\|pipeline\.\|P5\." "$OUT"/p3.log "$OUT"/pipeline.log "$OUT"/p5.log 2>/dev/null; tail -5 "$OUT/train.log" 2>/dev/null; } \
+    >"$KEEP/tables.txt" || true
+  for f in session.log medium_metrics.json p3/p3.json p3/p3_runs.jsonl pipeline/pipeline.json \
+           pipeline/pipeline_runs.jsonl p5/p5.json; do
+    if [[ -f "$OUT/$f" ]]; then cp "$OUT/$f" "$KEEP/$(basename "$f")"; fi
+  done
+  find "$OUT" -mindepth 1 -maxdepth 1 ! -name .keep -exec rm -rf {} +
+  mv "$KEEP"/* "$OUT"/ && rmdir "$KEEP"
+fi
