@@ -129,3 +129,25 @@ def test_resolve_refuses_more_kept_positions_than_were_run(llama: Path) -> None:
 def test_batchable_is_decided_for_the_whole_model(model_type: str, overrides: dict[str, Any], expected: bool) -> None:
     config = AutoConfig.for_model(model_type, num_hidden_layers=4, **overrides)
     assert batchable(config) is expected
+
+
+def test_inputs_travel_as_one_packed_buffer_and_come_back_exact() -> None:
+    """``pack_bytes``/``unpack_bytes`` (one host-to-device copy per forward on CUDA): tensors of every dtype
+    the inputs use, odd sizes included, come back bit-exact with their shapes; every view starts at an
+    8-byte boundary of the buffer."""
+    from pipespec.engine.row_batch import pack_bytes, to_device_many, unpack_bytes
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randint(0, 50_000, (3, 5), generator=gen),  # ids
+        torch.randint(0, 9, (3, 5), generator=gen) + 100,  # positions
+        torch.rand(3, 1, 5, 13, generator=gen) > 0.5,  # a boolean mask of odd size
+        torch.randn(2, 1, 3, 7, generator=gen).to(torch.bfloat16),  # an additive mask
+        torch.randn(1, 1, 1, 3, generator=gen),
+    ]
+    buffer, offsets = pack_bytes(tensors)
+    assert buffer.dtype == torch.uint8 and all(o % 8 == 0 for o in offsets)
+    for back, original in zip(unpack_bytes(buffer.clone(), offsets, tensors), tensors):
+        assert back.dtype == original.dtype and back.shape == original.shape
+        assert torch.equal(back, original)
+    assert all(a is b for a, b in zip(to_device_many(tensors, torch.device("cpu")), tensors))  # nothing to copy on CPU
