@@ -32,6 +32,10 @@ holes pile up), drops finished and cancelled rows, merges the new rows in, and u
 the state. With M = 1 every round waits for the previous round's message: the pipeline drains each
 step.
 
+On CUDA (``--cuda-graphs auto``) a micro-batch's running rows live in fixed KV buffers and its verify
+forwards and the draft's proposals replay CUDA graphs (``pipespec.engine.cuda_graphs``,
+``pipespec.engine.draft_graph``); every stage times the phases of its rounds (``pipespec.engine.phases``).
+
 ``k = 0`` is plain pipeline-parallel decoding: one token per round, no draft. Sequences accept
 different numbers of drafts (their rows keep different counts), finish at different rounds, and leave
 their slot to a waiting request (``--max-num-seqs``) or to nobody.
@@ -514,7 +518,10 @@ class StageRunner:
 
         A fresh process pays lazy CUDA/cuBLAS initialisation and kernel loading on the first forward of
         each shape; without a warm-up that cost lands in ``tokens_per_s``. Every stage runs the same
-        two forwards on a throwaway cache (the hop shapes are known), so no message is needed.
+        two forwards on a throwaway cache (the hop shapes are known), so no message is needed. With CUDA
+        graphs it then captures every micro-batch's verify and plain forwards and the draft's proposals
+        for the row counts of ``precapture_sizes`` (the same forwards on every stage), and the step
+        channel sends one throwaway message.
         """
         started = time.perf_counter()
         rows = min(self.slots, self.scheduler.capacity) if self.batched else 1
