@@ -42,14 +42,13 @@ GraphMode = Literal["cuda", "emulate"]
 
 @dataclass
 class _Entry:
-    """One captured shape: its static inputs, the replay, and the static output."""
+    """One captured shape: its static inputs and the replay (which returns the static output)."""
 
     ids: torch.Tensor | None
     received: dict[str, torch.Tensor] | None
     positions: torch.Tensor
     mask: torch.Tensor
     run: Callable[[], Any]  # replays (cuda) or re-executes (emulate); returns the output
-    output: Any = None
 
 
 class GraphedForwards:
@@ -119,11 +118,8 @@ class GraphedForwards:
         store = self.store
         length = store.length
         if self.mode == "emulate":
-            def rerun() -> Any:
-                return forward()
-
             self.captured += 1
-            return _Entry(static_ids, static_received, static_positions, static_mask, rerun)
+            return _Entry(static_ids, static_received, static_positions, static_mask, forward)
         try:
             side = torch.cuda.Stream(device=positions.device)
             side.wait_stream(torch.cuda.current_stream(positions.device))
@@ -147,4 +143,4 @@ class GraphedForwards:
             graph.replay()
             return output
 
-        return _Entry(static_ids, static_received, static_positions, static_mask, replay, output)
+        return _Entry(static_ids, static_received, static_positions, static_mask, replay)

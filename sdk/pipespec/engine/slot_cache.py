@@ -158,7 +158,6 @@ class SlotStore:
         self._slots = torch.arange(capacity, device=device)
         self._index = torch.zeros(capacity, dtype=torch.long, device=device)
         self._steps = 0
-        self.graphs: dict[Any, Any] = {}  # graphed forwards by shape, kept by pipespec.engine.cuda_graphs
 
     @property
     def layers(self) -> list[SlotLayer]:

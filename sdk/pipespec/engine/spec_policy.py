@@ -146,16 +146,12 @@ class SpecPolicy:
                                  or load >= self._load * self.load_ratio):
             if self._load is not None:
                 self.load_changes += 1
-                self._measuring = [self._mode, not self._mode]  # the current mode first: one switch fewer
-                self._measured = {True: _Window(), False: _Window()}
-                self._spent = {True: 0.0, False: 0.0}
+                self._start_measuring()
             self._load = load
             return
         if not self._measuring:  # exploiting the winner
             if now >= self._exploit_until:
-                self._measuring = [self._mode, not self._mode]  # the current mode first: one switch fewer
-                self._measured = {True: _Window(), False: _Window()}
-                self._spent = {True: 0.0, False: 0.0}
+                self._start_measuring()
             return
         self._spent[speculated] += now - last  # every round of the cycle, measured or not
         if prefill or tokens <= 0:
@@ -188,6 +184,12 @@ class SpecPolicy:
         # The loser's whole cost this cycle (settling rounds included) sets how long the winner runs.
         self._exploit_until = now + self._factor * self._spent[not best]
         self._switch(best)
+
+    def _start_measuring(self) -> None:
+        """A new measuring cycle: both modes measured afresh, the current one first (one switch fewer)."""
+        self._measuring = [self._mode, not self._mode]
+        self._measured = {True: _Window(), False: _Window()}
+        self._spent = {True: 0.0, False: 0.0}
 
     def rates(self) -> dict[str, float]:
         """The tokens/s of each mode behind the last decision (0.0 before the first one); ``plain_bound``

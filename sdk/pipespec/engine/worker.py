@@ -201,8 +201,9 @@ class StageRunner:
         self.graph_mode = graph_mode(job.cuda_graphs, ctx.device, self.batched)
         self.stores: list[SlotStore] = []
         self.graphed: dict[int, GraphedForwards] = {}  # by id(store.cache)
-        longest_seq = max(len(r.prompt_ids) + r.max_new_tokens for r in job.requests) + self.k + 1
-        capacity = longest_seq + max(8, longest_seq // 4) + self.k + 1  # RowBatch compacts past longest * 1.25
+        longest_seq = max(len(r.prompt_ids) + r.max_new_tokens for r in job.requests)
+        longest_row = longest_seq + self.k + 1  # committed slots of a row, at most
+        capacity = longest_row + max(8, longest_row // 4) + self.k + 1  # RowBatch compacts past longest * 1.25
         if self.graph_mode == "cuda":
             layers = target.stage.end_layer - target.stage.start_layer
             need = micro_batches * slot_bytes(target.resolved.config, layers, self.slots, capacity, target.dtype)
@@ -226,7 +227,6 @@ class StageRunner:
         # The draft's proposals from CUDA graphs too (last stage): fixed draft storage per micro-batch.
         self.draft_runners: list[DraftGraphRunner] = []
         if self.graph_mode is not None and draft is not None and self.k:
-            longest_seq = max(len(r.prompt_ids) + r.max_new_tokens for r in job.requests)
             longest_new = max(r.max_new_tokens for r in job.requests)
             # The longest row, plus the widest update (a held-back backlog, or k + 1 verified positions)
             # and the k - 1 draft steps past it.
