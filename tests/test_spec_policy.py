@@ -155,3 +155,30 @@ def test_small_changes_of_load_wait_for_the_next_cycle() -> None:
         now += 1.0
         policy.record(True, 2 * load, now, rows=load, load=load)
     assert policy.load_changes == 1  # 8 -> 4 only
+
+
+@pytest.mark.parametrize("warmup", [0, 6])
+def test_warmup_rounds_are_not_measured(warmup: int) -> None:
+    """A fresh stage's first rounds are slow (one-time costs): measured, they make drafting lose its first
+    window and the policy decodes plainly for the exploit period; left out (``warmup``), it keeps drafting."""
+    policy = SpecPolicy("adaptive", window=4, exploit=6, settle=2, warmup=warmup)
+    now = 0.0
+    queue: deque[bool] = deque([True] * 2)
+    modes = []
+    for i in range(60):
+        mode = queue.popleft()
+        slow = 4.0 if i < 6 else 1.0
+        now += (1.2 if mode else 1.0) * slow  # drafting: 3 tokens in 1.2 units (2.5x plain's rate) once warm
+        policy.record(mode, 3 if mode else 1, now)
+        queue.append(policy.speculate())
+        modes.append(mode)
+    plain = modes[:50].count(False)
+    if warmup:
+        assert plain <= 10  # one plain window (and its settling rounds), then drafting
+    else:
+        assert plain >= 20  # the slow first window lost: plain for the whole exploit period
+
+
+def test_warmup_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="warmup"):
+        SpecPolicy("adaptive", warmup=-1)

@@ -19,6 +19,10 @@ threshold for the same effect). ``--spec-policy adaptive`` measures instead of g
   measuring cycle at once: rates measured with 8 sequences say little about 2 (on 2x H200 the sequences left at the end of a fixed batch were the ones
   drafting accepted least, and the winner at full load was the loser for them). While the same mode keeps winning, that factor doubles (up to ``max_exploit``), so
   probing the losing mode costs at most 1/7 of the time at first, then a few percent;
+* the first ``warmup`` rounds after the start are not measured: a fresh stage's first decode rounds
+  pay one-time costs (first-touch memory, allocator growth; 1.6x a steady round on the 2-core CPU
+  machine for its first 5 rounds), and a first window measured on them made drafting look 2.6x
+  slower than it was there;
 * it prefers speculating: plain decoding is chosen only when it was measured at least ``margin`` faster;
 * it does not run plain decoding to learn what it already knows: a speculative window also records
   how many sequences it verified and how long the draft took, which gives an *estimate* of plain
@@ -78,7 +82,8 @@ class SpecPolicy:
     ``1 / (1 + max_exploit)``; ``margin``: how much faster plain decoding must be to be chosen;
     ``bound_slack``: how far drafting must beat plain decoding's estimated best rate for plain decoding
     not to be measured at all; ``load_ratio``: the change in running sequences (either way) that
-    restarts the measuring (smaller changes wait for the next cycle: every restart costs two windows).
+    restarts the measuring (smaller changes wait for the next cycle: every restart costs two windows);
+    ``warmup``: rounds left unmeasured at the start (the worker passes a few per micro-batch).
     """
 
     policy: Policy = "adaptive"
@@ -89,6 +94,7 @@ class SpecPolicy:
     margin: float = 0.03
     bound_slack: float = 2.5
     load_ratio: float = 2.0
+    warmup: int = 0
     switches: int = 0
     plain_rounds: int = 0
     spec_rounds: int = 0
@@ -113,6 +119,9 @@ class SpecPolicy:
             raise ValueError(f"load_ratio must be > 1, got {self.load_ratio}")
         if self.bound_slack < 1:
             raise ValueError(f"bound_slack must be >= 1, got {self.bound_slack}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        self._skip = self.warmup
         if self.window < 1 or self.settle < 0 or self.exploit <= 0 or self.max_exploit < self.exploit:
             raise ValueError(f"window must be >= 1, settle >= 0 and 0 < exploit <= max_exploit, got {self.window}, "
                              f"{self.settle}, {self.exploit} and {self.max_exploit}")
@@ -158,7 +167,7 @@ class SpecPolicy:
             return
         if speculated != self._mode:
             return  # a round launched before the last switch: it belongs to the other mode
-        if self._skip:
+        if self._skip:  # settling after a switch, or the warm-up
             self._skip -= 1
             return
         w = self._measured[speculated]

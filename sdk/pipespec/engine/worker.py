@@ -218,7 +218,7 @@ class StageRunner:
                 store = SlotStore(target.new_cache, self.slots, capacity, ctx.device)
                 self.stores.append(store)
                 self.graphed[id(store.cache)] = GraphedForwards(target, store, self.graph_mode, pool)
-        self.policy = SpecPolicy(job.spec_policy, settle=micro_batches) if ctx.is_last and self.k else None  # type: ignore[arg-type]
+        self.policy = SpecPolicy(job.spec_policy, settle=micro_batches, warmup=POLICY_WARMUP_ROUNDS * micro_batches) if ctx.is_last and self.k else None  # type: ignore[arg-type]
         # Positions verified while not speculating, per request, waiting for the draft (last stage).
         self.backlog: dict[int, list[tuple[torch.Tensor, list[int]]]] = {}
         self.backlog_positions: dict[int, int] = {}  # positions held per request (the sum of its backlog)
@@ -612,6 +612,7 @@ class StageRunner:
         }
 
 
+POLICY_WARMUP_ROUNDS = 3  # per micro-batch: the speculation policy does not measure a fresh stage's first rounds
 PRECAPTURE_MAX_ROWS = 32  # graphs for every row count up to this are captured at warm-up
 
 
