@@ -23,19 +23,31 @@ stage per step) plus the wait for the step message; on top of that, the last sta
 draft, which makes it the busiest stage.
 
 Goal (issue 7): ≥ 1.7× on GPU (ideal 2×).
+
+``python3 bench/pipeline_microbatches.py --device cuda --shape large --c 8,32,128 --prompt-len 48
+--out DIR`` runs the same side-by-side measurement as a sweep outside the goal's cases: a model shape
+(``SHAPES``: ``large`` is a 2B-parameter Llama-3-8B-like slice, 8 layers of H = 4096, written in
+bf16), any concurrencies, and prompts of a fixed length (long prompts make a decode round's attention,
+whose cost grows with the rows, a larger share of it). It prints the results table and writes
+``DIR/pipeline_sweep.json`` and the raw runs to ``DIR/pipeline_runs.jsonl``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
+if __name__ == "__main__":  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (  # noqa: E402
     Result,
     append_jsonl,
     cli_json,
@@ -43,6 +55,8 @@ from bench.common import (
     device_name,
     heldout_prompts,
     pair_dirs,
+    print_table,
+    write_json,
 )
 
 NAME = "pipeline"
@@ -52,36 +66,52 @@ GOAL_GPU = 1.7
 PP = 2
 NUM_SPEC_TOKENS = 3
 
+# Random target shapes (write_tiny_target keywords). "cpu" and "gpu" are the goal runs' defaults;
+# "large" is a slice of a Llama-3-8B-like model (H = 4096, GQA 32/8, I = 14336) deep enough that each
+# of the 2 stages holds 4 full-size layers: 2.0B parameters, 4 GB in bf16.
+SHAPES: dict[str, dict[str, Any]] = {
+    "cpu": dict(num_layers=8, hidden_size=256, vocab_size=512, num_attention_heads=8, num_key_value_heads=4,
+                intermediate_size=512),
+    "gpu": dict(num_layers=8, hidden_size=512, vocab_size=8192, num_attention_heads=8, num_key_value_heads=4,
+                intermediate_size=1408),
+    "large": dict(num_layers=8, hidden_size=4096, vocab_size=32000, num_attention_heads=32, num_key_value_heads=8,
+                  intermediate_size=14336),
+}
 
-def _model(work: Path, device: str, pair: Path | None = None) -> tuple[Path, Path, str]:
-    """``pair`` when given, else a random target + draft: tiny on CPU, somewhat wider on GPU (run in bf16 there)."""
+
+def _model(work: Path, device: str, pair: Path | None = None, shape: str | None = None,
+           max_positions: int = 512) -> tuple[Path, Path, str]:
+    """``pair`` when given, else a random target (``SHAPES[shape]``, by default the device's) + a random
+    EAGLE3 draft; written in bf16 on GPU (where it runs in bf16)."""
     if pair is not None:
         target, draft = pair_dirs(pair)
         return target, draft, describe_pair(pair)
+    import torch
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     from pipespec.engine.testing import write_tiny_draft, write_tiny_target
 
-    if device == "cuda":
-        shape = dict(num_layers=8, hidden_size=512, vocab_size=8192, num_attention_heads=8, num_key_value_heads=4,
-                     intermediate_size=1408)
-    else:
-        shape = dict(num_layers=8, hidden_size=256, vocab_size=512, num_attention_heads=8, num_key_value_heads=4,
-                     intermediate_size=512)
+    name = shape or ("gpu" if device == "cuda" else "cpu")
+    dims = SHAPES[name]
     hf_logging.set_verbosity_error()
-    target = write_tiny_target(work / "target", "llama", seed=3, **shape)  # type: ignore[arg-type]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    target = write_tiny_target(work / "target", "llama", seed=3, dtype=dtype, max_position_embeddings=max_positions,
+                               **dims)
     draft = write_tiny_draft(work / "draft", AutoConfig.from_pretrained(target), format="B", seed=4)
-    what = f"random Llama {shape['num_layers']} layers, hidden {shape['hidden_size']}, vocab {shape['vocab_size']}; random EAGLE3 draft"
+    what = (f"random Llama ({name}) {dims['num_layers']} layers, hidden {dims['hidden_size']}, intermediate "
+            f"{dims['intermediate_size']}, heads {dims['num_attention_heads']}/{dims['num_key_value_heads']}, vocab "
+            f"{dims['vocab_size']}; random EAGLE3 draft")
     return target, draft, what
 
 
-def _prompts(path: Path, count: int, vocab: int, target: Path | None = None) -> Path:
-    """Held-out stdlib prompts from ``target``'s tokenizer when given (and it has one), else random ids."""
-    ids = heldout_prompts(target, count, 48) if target is not None else None
+def _prompts(path: Path, count: int, vocab: int, target: Path | None = None, length: int | None = None) -> Path:
+    """Held-out stdlib prompts from ``target``'s tokenizer when given (and it has one), else random ids:
+    ``length`` tokens each, or 8–24 when None."""
+    ids = heldout_prompts(target, count, length or 48) if target is not None else None
     if ids is None:
         rng = random.Random(count)
-        ids = [[rng.randrange(vocab) for _ in range(rng.randrange(8, 25))] for _ in range(count)]
+        ids = [[rng.randrange(vocab) for _ in range(length or rng.randrange(8, 25))] for _ in range(count)]
     path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ids))
     return path
 
@@ -100,30 +130,27 @@ def busy_bound(result: dict[str, Any]) -> float:
     return decode / max(max(busy), 1e-9)
 
 
-def run(quick: bool, device: str, command: str, pair: Path | None = None) -> list[Result]:
-    new_tokens = 16 if quick else (64 if device == "cuda" else 32)
-    repeats = 2 if quick else 3
-    # k = 0 (plain decoding, no draft on the last stage: the most balanced stages) only in a full CPU run.
-    cases = [(8, NUM_SPEC_TOKENS), (32, NUM_SPEC_TOKENS)] + ([] if quick or device == "cuda" else [(8, 0)])
+def sweep(cases: list[tuple[int, int]], target: Path, draft: Path, what: str, device: str, command: str, new_tokens: int,
+          repeats: int, prompt_len: int | None = None, tokenizer_prompts: bool = False,
+          out_dir: Path | None = None) -> list[Result]:
+    """For each (c, k): ``repeats`` interleaved pairs of runs (1 micro-batch, then ``PP``), the ratio of
+    the medians, whether the outputs matched, and the 1-micro-batch run's busy bound."""
     dev = device_name(device)
-    out_dir = os.environ.get("PIPESPEC_BENCH_OUT")
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     results: list[Result] = []
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        target, draft, what = _model(work, device, pair)
-        vocab = json.loads((target / "config.json").read_text())["vocab_size"]
         for c, k in cases:
-            prompts = _prompts(work / f"prompts_{c}.jsonl", c, vocab, target if pair is not None else None)
+            prompts = _prompts(Path(tmp) / f"prompts_{c}.jsonl", c, vocab, target if tokenizer_prompts else None, prompt_len)
             runs: dict[int, list[dict[str, Any]]] = {1: [], PP: []}
             if (c, k) == cases[0]:
                 _generate(target, draft, prompts, PP, 4, k, device)  # warm the forkserver and the page cache
             for _ in range(repeats):
                 for m in (1, PP):
                     runs[m].append(_generate(target, draft, prompts, m, new_tokens, k, device))
-                    if out_dir:
-                        append_jsonl(Path(out_dir) / "pipeline_runs.jsonl", {
-                            "c": c, "k": k, "micro_batches": m, "new_tokens": new_tokens, "device": device, "model": what,
-                            "generate": runs[m][-1]})
+                    if out_dir is not None:
+                        append_jsonl(out_dir / "pipeline_runs.jsonl", {
+                            "c": c, "k": k, "micro_batches": m, "new_tokens": new_tokens, "prompt_len": prompt_len,
+                            "device": device, "model": what, "generate": runs[m][-1]})
             rate = {m: statistics.median(r["tokens_per_s"] for r in rs) for m, rs in runs.items()}
             ratio = rate[PP] / rate[1]
             same = all(
@@ -134,13 +161,14 @@ def run(quick: bool, device: str, command: str, pair: Path | None = None) -> lis
             last_wait = statistics.median(
                 r["stages"][-1]["hop_recv_wait_s"] / max(r["stages"][-1]["decode_s"], 1e-9) for r in runs[1]
             )
-            suffix = "" if k == NUM_SPEC_TOKENS else f".k{k}"
+            suffix = ("" if k == NUM_SPEC_TOKENS else f".k{k}") + ("" if prompt_len is None else f".p{prompt_len}")
             goal = f">= {GOAL_GPU:g}" if device == "cuda" else f">= {GOAL_GPU:g} on GPU"
+            prompt_what = f"prompts of {prompt_len} tokens" if prompt_len else "prompts of 8-24 tokens"
             results.append(Result(
                 f"pipeline.ratio.c{c}{suffix}", ratio, goal, "x", ratio >= GOAL_GPU if device == "cuda" else None, dev,
                 command,
                 detail=(f"{rate[PP]:.1f} vs {rate[1]:.1f} tokens/s (medians of {repeats} interleaved runs), "
-                        f"{PP} micro-batches vs 1, k={k}, {new_tokens} new tokens x {c} prompts; outputs "
+                        f"{PP} micro-batches vs 1, k={k}, {new_tokens} new tokens x {c} prompts ({prompt_what}); outputs "
                         f"{'identical' if same else 'DIFFER'}; bound from the 1-micro-batch run {bound:.2f}x "
                         f"(last stage idle {last_wait:.0%} waiting for hops); {what}"),
             ))
@@ -148,3 +176,49 @@ def run(quick: bool, device: str, command: str, pair: Path | None = None) -> lis
                 results.append(Result(f"pipeline.tokens_per_s.c{c}{suffix}.mb{m}", rate[m], "-", "tokens/s", None, dev, command,
                                       detail=f"median of {repeats}: {[r['tokens_per_s'] for r in runs[m]]}"))
     return results
+
+
+def run(quick: bool, device: str, command: str, pair: Path | None = None) -> list[Result]:
+    new_tokens = 16 if quick else (64 if device == "cuda" else 32)
+    repeats = 2 if quick else 3
+    # k = 0 (plain decoding, no draft on the last stage: the most balanced stages) only in a full CPU run.
+    cases = [(8, NUM_SPEC_TOKENS), (32, NUM_SPEC_TOKENS)] + ([] if quick or device == "cuda" else [(8, 0)])
+    out_dir = os.environ.get("PIPESPEC_BENCH_OUT")
+    with tempfile.TemporaryDirectory() as tmp:
+        target, draft, what = _model(Path(tmp), device, pair)
+        return sweep(cases, target, draft, what, device, command, new_tokens, repeats, tokenizer_prompts=pair is not None,
+                     out_dir=Path(out_dir) if out_dir else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="pipeline micro-batches: a sweep over shapes, concurrencies and prompt lengths")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--shape", default=None, choices=sorted(SHAPES), help="random target shape (default: the device's)")
+    parser.add_argument("--c", default="8,32", help="concurrencies (prompts per run), comma-separated")
+    parser.add_argument("--k", type=int, default=NUM_SPEC_TOKENS, help="draft length (0: plain decoding)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (default: 8-24, random)")
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved repeats of each pair of runs")
+    parser.add_argument("--out", required=True, help="directory for pipeline_sweep.json and pipeline_runs.jsonl")
+    args = parser.parse_args(argv)
+    try:
+        cs = [int(c) for c in args.c.split(",")]
+    except ValueError:
+        parser.error(f"--c {args.c!r}: give comma-separated integers, e.g. 8,32")
+    if min(cs) < 1 or args.k < 0 or args.tokens < 1 or args.repeats < 1 or (args.prompt_len is not None and args.prompt_len < 1):
+        parser.error("--c, --tokens, --repeats and --prompt-len must be >= 1, --k >= 0")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python3 bench/pipeline_microbatches.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    max_positions = max(512, 2 * ((args.prompt_len or 24) + args.tokens + 2 * args.k + 2))
+    with tempfile.TemporaryDirectory() as tmp:
+        target, draft, what = _model(Path(tmp), args.device, shape=args.shape, max_positions=max_positions)
+        results = sweep([(c, args.k) for c in cs], target, draft, what, args.device, command, args.tokens, args.repeats,
+                        prompt_len=args.prompt_len, out_dir=out)
+    print_table("pipeline sweep: tokens/s with 2 micro-batches / with one, PP=2", results)
+    write_json(out / "pipeline_sweep.json", results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

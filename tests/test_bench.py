@@ -192,3 +192,32 @@ def test_training_loops_stop_at_the_wall_time_cap_and_say_so() -> None:
     draft = td.make_draft(p, target.config, td.draft_vocabulary(stream, 64, 32), aux)
     stats = td.train_draft(draft, target, aux, stream, p, "cpu", 0, logs.append, max_s=1e-9)
     assert (stats["steps_run"], stats["planned_steps"], stats["time_capped"]) == (1, 3, True)
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_sweep_script_measures_fixed_length_prompts_and_writes_its_files(tmp_path: Path) -> None:
+    """``bench/pipeline_microbatches.py`` as a script: both schedules run side by side through real stage
+    processes, with prompts of the given length, and the outputs of the two schedules are compared."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "bench/pipeline_microbatches.py", "--device", "cpu", "--c", "3", "--tokens", "3", "--repeats", "1",
+         "--prompt-len", "40", "--out", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {row["id"]: row for row in json.loads((out / "pipeline_sweep.json").read_text())}
+    assert set(rows) == {"pipeline.ratio.c3.p40", "pipeline.tokens_per_s.c3.p40.mb1", "pipeline.tokens_per_s.c3.p40.mb2"}
+    ratio = rows["pipeline.ratio.c3.p40"]
+    assert "outputs identical" in ratio["detail"] and "prompts of 40 tokens" in ratio["detail"]
+    assert ratio["value"] == pytest.approx(rows["pipeline.tokens_per_s.c3.p40.mb2"]["value"]
+                                           / rows["pipeline.tokens_per_s.c3.p40.mb1"]["value"])
+    runs = [json.loads(line) for line in (out / "pipeline_runs.jsonl").read_text().splitlines()]
+    assert [r["micro_batches"] for r in runs] == [1, 2]
+    assert all(r["prompt_len"] == 40 and len(r["generate"]["outputs"]) == 3 for r in runs)
+    assert all(len(o["output_ids"]) == 3 for r in runs for o in r["generate"]["outputs"])
+
+
+def test_pipeline_sweep_script_refuses_bad_concurrencies(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "bench/pipeline_microbatches.py", "--c", "8,x", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    assert proc.returncode == 2 and "--c '8,x'" in proc.stderr

@@ -50,12 +50,15 @@ def write_tiny_target(
     seed: int = 0,
     max_shard_size: str | None = None,
     tie_word_embeddings: bool = False,
+    dtype: torch.dtype = torch.float32,
     **overrides: Any,
 ) -> Path:
     """Write a random ``model_type`` causal LM with ``save_pretrained``; returns the directory.
 
     ``max_shard_size`` (e.g. ``"20KB"``) writes a sharded checkpoint with an index. No eos/bos/pad ids
     are set, so ``generate`` never stops early and outputs have exactly ``max_new_tokens`` tokens.
+    ``dtype``: the weights' dtype, at initialisation and on disk (bfloat16 halves a large benchmark
+    model's memory and file).
     """
     if model_type not in TARGET_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not one of {TARGET_MODEL_TYPES}")
@@ -71,7 +74,7 @@ def write_tiny_target(
     kwargs.update(overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     _perturb_norms(model, seed)
     path = Path(path)
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
