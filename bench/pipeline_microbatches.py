@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved repeats of each pair of runs")
     parser.add_argument("--out", required=True, help="directory for pipeline_sweep.json and pipeline_runs.jsonl")
+    parser.add_argument("--model-dir", default=None,
+                        help="write the random target and draft here (default: a temporary directory), or reuse the "
+                             "ones a previous sweep wrote there")
     args = parser.parse_args(argv)
     try:
         cs = [int(c) for c in args.c.split(",")]
@@ -212,7 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     command = "python3 bench/pipeline_microbatches.py " + " ".join(sys.argv[1:] if argv is None else argv)
     max_positions = max(512, 2 * ((args.prompt_len or 24) + args.tokens + 2 * args.k + 2))
     with tempfile.TemporaryDirectory() as tmp:
-        target, draft, what = _model(Path(tmp), args.device, shape=args.shape, max_positions=max_positions)
+        work = Path(args.model_dir) if args.model_dir else Path(tmp)
+        if (work / "what.txt").is_file():
+            target, draft, what = work / "target", work / "draft", (work / "what.txt").read_text()
+        else:
+            target, draft, what = _model(work, args.device, shape=args.shape, max_positions=max_positions)
+            (work / "what.txt").write_text(what)
         results = sweep([(c, args.k) for c in cs], target, draft, what, args.device, command, args.tokens, args.repeats,
                         prompt_len=args.prompt_len, out_dir=out)
     print_table("pipeline sweep: tokens/s with 2 micro-batches / with one, PP=2", results)
