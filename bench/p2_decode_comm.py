@@ -4,7 +4,7 @@ Pure transport timing with the engine's own ``HopSender``/``HopReceiver`` betwee
 processes (gloo on CPU, NCCL on two GPUs). At decode sizes (T ≤ 64 tokens: k + 1 verify tokens per
 sequence) a hop is latency-bound, so what matters is the number of messages, not the bytes: relay packs
 ``hidden_states`` and every aux state into ONE message. Measured as a ping-pong (stage 0 sends, stage 1
-sends the same message back; one hop = half a round trip), variants interleaved, medians of repeats:
+sends the same message back; one hop = half a round trip), variants and sizes interleaved, medians of repeats:
 
 * ``none``     — ``hidden_states`` only (plain pipeline decoding);
 * ``packed``   — ``hidden_states`` + 3 aux states in one message (what relay sends);
@@ -45,7 +45,8 @@ class P2Config:
 def config_for(quick: bool, device: str) -> P2Config:
     if device == "cuda":
         # Llama-3-70B width, bf16: the anchor's decode-size figures were measured at this size.
-        return P2Config(8192, (1, 4, 16, 64), 50, 5 if quick else 15, "bfloat16")
+        # Single NCCL hops jitter by +-50 us (host wake-ups): many samples, every size interleaved.
+        return P2Config(8192, (1, 4, 16, 64), 50, 5 if quick else 41, "bfloat16")
     return P2Config(1024, (1, 4, 16, 64), 10 if quick else 30, 5 if quick else 15, "float32")
 
 
@@ -82,21 +83,22 @@ def _stage(ctx: Any, cfg: P2Config) -> dict[str, Any]:
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
 
-    results: dict[int, dict[str, float]] = {}
-    for tokens in cfg.tokens:
-        tensors = {k: torch.randn(1, tokens, cfg.hidden).to(ctx.device, dtype) for k in keys["packed"]}
-        samples: dict[str, list[float]] = {v: [] for v in ("none", "packed", "separate")}
-        for r in range(cfg.repeats + 1):
-            for variant in samples:
+    # Every (T, variant) pair is interleaved inside each repeat: a drift of the machine (clocks, other
+    # jobs) hits every size alike instead of whichever size happened to run first.
+    inputs = {t: {k: torch.randn(1, t, cfg.hidden).to(ctx.device, dtype) for k in keys["packed"]} for t in cfg.tokens}
+    samples: dict[int, dict[str, list[float]]] = {t: {v: [] for v in ("none", "packed", "separate")} for t in cfg.tokens}
+    for r in range(cfg.repeats + 1):
+        for tokens in cfg.tokens:
+            for variant, kept in samples[tokens].items():
                 sync()
                 started = time.perf_counter()
                 for _ in range(cfg.inner):
-                    hop(variant, tensors, tokens)
+                    hop(variant, inputs[tokens], tokens)
                 sync()
                 elapsed = time.perf_counter() - started
                 if r > 0:  # the first round warms up buffers and (on NCCL) the communicator
-                    samples[variant].append(elapsed / (2 * cfg.inner))
-        results[tokens] = {v: statistics.median(s) for v, s in samples.items()}
+                    kept.append(elapsed / (2 * cfg.inner))
+    results = {t: {v: statistics.median(s) for v, s in by_variant.items()} for t, by_variant in samples.items()}
     return {"rank": ctx.rank, "hop_s": results}
 
 
