@@ -107,15 +107,17 @@ class HopLayout:
     def pack_into(self, flat: torch.Tensor, tensors: Mapping[str, torch.Tensor], leading_shape: Sequence[int]) -> None:
         n = self.block(leading_shape)
         shape = (*leading_shape, self.hidden_size)
-        for i, key in enumerate(self.keys):
+        for key in self.keys:
             if key not in tensors:
                 raise RuntimeError(
                     f"cannot send {key!r} to the next stage: the stage output has keys {sorted(tensors.keys())}"
                 )
-            value = tensors[key]
-            if tuple(value.shape) != shape:
-                raise RuntimeError(f"cannot send {key!r}: shape {tuple(value.shape)}, the hop layout expects {shape}")
-            flat[i * n : (i + 1) * n].view(shape).copy_(value)
+            if tuple(tensors[key].shape) != shape:
+                raise RuntimeError(f"cannot send {key!r}: shape {tuple(tensors[key].shape)}, the hop layout expects {shape}")
+        # One concatenating kernel for every key (not one copy per key): at decode sizes a hop is
+        # latency-bound and each extra launch sits on the critical path (3 aux states cost ~40 us more
+        # per hop on 2x H200 as separate copies).
+        torch.cat([tensors[key].reshape(-1) for key in self.keys], out=flat[: n * len(self.keys)])
 
 
 class HopSender:
