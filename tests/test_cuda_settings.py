@@ -34,3 +34,21 @@ def test_the_environment_keeps_cudnn_attention(monkeypatch: pytest.MonkeyPatch, 
     torch.backends.cuda.enable_cudnn_sdp(True)
     configure_cuda_attention()
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.usefixtures("restore_flag")
+@pytest.mark.parametrize("value", ["0", "off", ""])
+def test_off_values_turn_cudnn_attention_off(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(CUDNN_SDP_ENV, value)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    configure_cuda_attention()
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.usefixtures("restore_flag")
+def test_a_typo_is_a_usage_error_not_a_silent_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipespec.errors import UsageError
+
+    monkeypatch.setenv(CUDNN_SDP_ENV, "ture")
+    with pytest.raises(UsageError, match=f"{CUDNN_SDP_ENV}='ture': use 1"):
+        configure_cuda_attention()

@@ -26,26 +26,18 @@ from pathlib import Path
 
 import torch
 
+from pipespec.env import env_flag
 from pipespec.errors import UsageError
 
 PHASE_SYNC_ENV = "PIPESPEC_PHASE_SYNC"
 PROFILE_ENV = "PIPESPEC_PROFILE"
 
 
-def _flag(name: str) -> bool:
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("", "0", "false", "no"):
-        return False
-    if value in ("1", "true", "yes"):
-        return True
-    raise UsageError(f"{name}={value!r}: use 1 or 0")
-
-
 class PhaseClock:
     """Seconds per phase (``with clock("forward"): ...``); phases may nest, each counts its own span."""
 
     def __init__(self, device: torch.device) -> None:
-        self.sync = _flag(PHASE_SYNC_ENV) and device.type == "cuda"
+        self.sync = env_flag(PHASE_SYNC_ENV) and device.type == "cuda"
         self.device = device
         self.seconds: dict[str, float] = {}
         self.counts: dict[str, int] = {}

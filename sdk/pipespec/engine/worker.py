@@ -61,6 +61,7 @@ from pipespec.engine.row_batch import RowBatch, batchable, pad_rows, to_device
 from pipespec.engine.slot_cache import SlotStore, slot_bytes
 from pipespec.engine.spec_policy import SpecPolicy
 from pipespec.engine.target import TargetStage, build_target_stage, resolve_target
+from pipespec.env import env_flag, env_positive_int
 from pipespec.errors import UsageError
 from pipespec.pp.launch import StageContext
 from pipespec.pp.loading import dtype_from_name
@@ -89,24 +90,10 @@ DRAFT_BACKLOG = 256  # positions a row may hold back from the draft while not sp
 DRAFT_BACKLOG_ENV = "PIPESPEC_DRAFT_BACKLOG"  # overrides it (memory vs. fewer draft passes while plain)
 
 
-def _env_positive_int(name: str) -> int | None:
-    """``$name`` as an integer >= 1, or None when unset or empty; anything else is a usage error."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return None
-    try:
-        number = int(value)
-    except ValueError:
-        raise UsageError(f"{name}={value!r} is not an integer") from None
-    if number < 1:
-        raise UsageError(f"{name}={number} must be >= 1")
-    return number
-
-
 def draft_backlog() -> int:
     """``$PIPESPEC_DRAFT_BACKLOG`` or ``DRAFT_BACKLOG``: how many verified positions a sequence may hold
     back from the draft while the policy decodes plainly (their aux states wait on the last stage)."""
-    backlog = _env_positive_int(DRAFT_BACKLOG_ENV)
+    backlog = env_positive_int(DRAFT_BACKLOG_ENV)
     return DRAFT_BACKLOG if backlog is None else backlog
 
 
@@ -119,7 +106,7 @@ def stage_threads(world_size: int) -> int:
     ``OMP_NUM_THREADS=1``).
     """
     for name in (THREADS_ENV, "OMP_NUM_THREADS"):
-        threads = _env_positive_int(name)
+        threads = env_positive_int(name)
         if threads is not None:
             return threads
     return max(1, (os.cpu_count() or 1) // world_size)
@@ -129,14 +116,15 @@ CUDNN_SDP_ENV = "PIPESPEC_CUDNN_SDP"
 
 
 def configure_cuda_attention() -> None:
-    """Leave cuDNN out of ``scaled_dot_product_attention`` on CUDA (``$PIPESPEC_CUDNN_SDP=1`` keeps it).
+    """Leave cuDNN out of ``scaled_dot_product_attention`` on CUDA (``$PIPESPEC_CUDNN_SDP=1`` keeps it;
+    a value that is not a switch is a usage error).
 
     Decoding changes the key length every step. Recent torch releases prefer the cuDNN attention
     backend on Hopper GPUs, and cuDNN builds an execution plan for every new shape: tens of
     milliseconds per attention call, every step, for target and draft alike. The flash and
     memory-efficient kernels handle any length without a plan.
     """
-    if os.environ.get(CUDNN_SDP_ENV, "").strip() not in ("1", "true", "yes"):
+    if not env_flag(CUDNN_SDP_ENV):
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
