@@ -17,15 +17,17 @@ from pipespec.engine.spec_policy import SpecPolicy
 
 
 def simulate(policy: SpecPolicy, rounds: int, spec_cost: float, spec_tokens: int, plain_cost: float,
-             in_flight: int = 2, tokens_per_row: int = 1, draft_cost: float | None = None) -> list[bool]:
+             in_flight: int = 2, tokens_per_row: int = 1, draft_cost: float | None = None,
+             slow_rounds: int = 0, slow_factor: float = 1.0) -> list[bool]:
     """Run ``rounds`` rounds of one sequence; returns the mode each round ran in. With ``draft_cost`` the
-    rounds also report the draft's share of a speculative round (and one row)."""
+    rounds also report the draft's share of a speculative round (and one row); the first ``slow_rounds``
+    rounds cost ``slow_factor`` times as much (a fresh stage's one-time costs)."""
     now = 0.0
     queue: deque[bool] = deque([True] * in_flight)  # modes already decided for rounds in flight
     modes = []
-    for _ in range(rounds):
+    for i in range(rounds):
         mode = queue.popleft()
-        now += spec_cost if mode else plain_cost
+        now += (spec_cost if mode else plain_cost) * (slow_factor if i < slow_rounds else 1.0)
         if draft_cost is None:
             policy.record(mode, spec_tokens if mode else tokens_per_row, now)
         else:
@@ -162,16 +164,8 @@ def test_warmup_rounds_are_not_measured(warmup: int) -> None:
     """A fresh stage's first rounds are slow (one-time costs): measured, they make drafting lose its first
     window and the policy decodes plainly for the exploit period; left out (``warmup``), it keeps drafting."""
     policy = SpecPolicy("adaptive", window=4, exploit=6, settle=2, warmup=warmup)
-    now = 0.0
-    queue: deque[bool] = deque([True] * 2)
-    modes = []
-    for i in range(60):
-        mode = queue.popleft()
-        slow = 4.0 if i < 6 else 1.0
-        now += (1.2 if mode else 1.0) * slow  # drafting: 3 tokens in 1.2 units (2.5x plain's rate) once warm
-        policy.record(mode, 3 if mode else 1, now)
-        queue.append(policy.speculate())
-        modes.append(mode)
+    # Drafting: 3 tokens in 1.2 units (2.5x plain's rate) once warm; the first 6 rounds cost 4x.
+    modes = simulate(policy, 60, spec_cost=1.2, spec_tokens=3, plain_cost=1.0, slow_rounds=6, slow_factor=4.0)
     plain = modes[:50].count(False)
     if warmup:
         assert plain <= 10  # one plain window (and its settling rounds), then drafting
