@@ -56,8 +56,14 @@ _SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], bool]]] = {
     },
     "embed": {
         "share_target_embed": (bool, False),
+        "decoder_attr": (str, False),
+        "embed_attr": (str, False),
     },
 }
+# [table] key -> AdapterSpec field, where the two differ. [embed] embed_attr is the same field as
+# [model] embed_attr (the embedding the drafter shares is the decoder's input embedding); giving both
+# with different values is an error.
+_FIELDS = {("embed", "decoder_attr"): "embed_decoder_attr"}
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,7 @@ class AdapterSpec:
     default_ids: str | tuple[int, ...] = "eagle3"
     boundary_rule: str = "allow"
     share_target_embed: bool = True
+    embed_decoder_attr: str | None = None  # attribute of the *ForCausalLM holding the decoder (vLLM: "model")
     source: str = field(default="<code>", compare=False)
 
     def __post_init__(self) -> None:
@@ -133,6 +140,8 @@ def validate_spec(spec: AdapterSpec) -> None:
         raise SpecError(f"{src}: adapter.supported = false needs adapter.reason saying why the class is unsupported")
     for key in ("layers_attr", "norm_attr", "embed_attr", "num_layers_key"):
         _check_ident(src, f"model.{key}", getattr(spec, key), dotted=key != "num_layers_key")
+    if spec.embed_decoder_attr is not None:
+        _check_ident(src, "embed.decoder_attr", spec.embed_decoder_attr)
     if spec.capture not in CAPTURES:
         raise _err(src, "model.capture", spec.capture, f"use one of {', '.join(repr(c) for c in CAPTURES)}")
     if spec.capture == "hidden + residual" and not spec.residual:
@@ -164,7 +173,12 @@ def spec_from_mapping(data: Mapping[str, Any], source: str) -> AdapterSpec:
                 raise _err(source, f"{table}.{key}", value, f"expected {_type_name(typ)}, got a boolean")
             if not isinstance(value, typ):
                 raise _err(source, f"{table}.{key}", value, f"expected {_type_name(typ)}, got {type(value).__name__}")
-            kwargs[key] = tuple(value) if isinstance(value, list) else value
+            name = _FIELDS.get((table, key), key)
+            value = tuple(value) if isinstance(value, list) else value
+            if name in kwargs and kwargs[name] != value:
+                raise SpecError(f"{source}: {table}.{key} = {value!r} contradicts the other {key} = {kwargs[name]!r} "
+                                "([model] and [embed] name the same embedding): keep one")
+            kwargs[name] = value
     for table, keys in _SCHEMA.items():
         for key, (_, required) in keys.items():
             if required and key not in kwargs:

@@ -1,0 +1,102 @@
+"""Survey: run the vLLM-native codemod over every model file of an installed vLLM and count the outcomes.
+
+    .venv/bin/python bench/vllm_codegen_survey.py [--vllm DIR] [--json] [--import-check]
+
+DIR is the installed ``vllm`` package directory (default: ``.venv-vllm``'s). Every ``.py`` under
+``model_executor/models/`` and ``models/`` is read (never imported) and passed to
+``adapt_vllm_module``; files without a PP decoder are counted and skipped. ``--import-check`` (run it with
+``.venv-vllm/bin/python``) also writes each adapted module next to its source as ``<name>_pipespec.py``
+in a temporary copy of nothing but that file, imports it inside the vLLM package
+(``vllm.model_executor.models.<name>_pipespec``) so relative imports resolve, and deletes it again.
+Prints per-decoder lines and the totals; ``--json`` prints one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import traceback
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_VLLM = ROOT / ".venv-vllm" / "lib" / "python3.11" / "site-packages" / "vllm"
+
+
+def model_files(vllm_dir: Path) -> list[Path]:
+    files = sorted((vllm_dir / "model_executor" / "models").rglob("*.py")) + sorted((vllm_dir / "models").rglob("*.py"))
+    return [f for f in files if "__pycache__" not in f.parts and not f.stem.endswith("_pipespec")]
+
+
+def survey(vllm_dir: Path, import_check: bool = False) -> dict[str, object]:
+    from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
+    from pipespec.errors import UsageError
+
+    rows: list[dict[str, object]] = []
+    files_without = 0
+    for path in model_files(vllm_dir):
+        rel = path.relative_to(vllm_dir.parent).as_posix()
+        try:
+            result = adapt_vllm_module(path.read_text(encoding="utf-8"), label=rel)
+        except UsageError:
+            files_without += 1
+            continue
+        imported = None
+        if import_check and any(d.status == "adapted" for d in result.decoders):
+            imported = import_adapted(path, result.code, vllm_dir)
+        for d in result.decoders:
+            rows.append({"file": rel, "class": d.class_name, "status": d.status, "reason": d.reason,
+                         "causal_lm": list(d.causal_lm), "decoder_attr": d.decoder_attr,
+                         "import": imported if d.status == "adapted" else None})
+    counts = Counter(str(r["status"]) for r in rows)
+    return {"decoders": len(rows), "counts": dict(counts), "files_without_pp_decoder": files_without, "rows": rows,
+            "import_failures": sum(1 for r in rows if r["import"] not in (None, "ok"))}
+
+
+def import_adapted(path: Path, code: str, vllm_dir: Path) -> str:
+    """Compile and import the adapted module inside vLLM's package; "ok" or the error's last line."""
+    try:
+        compile(code, str(path), "exec")
+    except SyntaxError as exc:
+        return f"SyntaxError: line {exc.lineno}: {exc.msg}"
+    out = path.with_name(f"{path.stem}_pipespec.py")
+    package = ".".join(path.parent.relative_to(vllm_dir.parent).parts)
+    out.write_text(code, encoding="utf-8")
+    try:
+        importlib.import_module(f"{package}.{out.stem}")
+        return "ok"
+    except Exception as exc:  # report, keep surveying
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        return last[:300]
+    finally:
+        out.unlink()
+        sys.modules.pop(f"{package}.{out.stem}", None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm", type=Path, default=DEFAULT_VLLM, help="installed vllm package directory")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--import-check", action="store_true", help="also import each adapted module inside vLLM")
+    args = parser.parse_args()
+    if not (args.vllm / "model_executor" / "models").is_dir():
+        print(f"--vllm {args.vllm}: not a vllm package directory (no model_executor/models/)", file=sys.stderr)
+        return 2
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    result = survey(args.vllm, args.import_check)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    for r in result["rows"]:  # type: ignore[union-attr]
+        extra = f"  [import: {r['import']}]" if r["import"] not in (None, "ok") else ""
+        print(f"{r['status']:9} {r['file']}:{r['class']}  {r['reason']}{extra}")
+    print(f"PP decoders: {result['decoders']}  {result['counts']}  files without a PP decoder: "
+          f"{result['files_without_pp_decoder']}  import failures: {result['import_failures']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,434 @@
+"""Read a vLLM model file's decoder stacks the way ``adapt_vllm_native`` needs them, without running it.
+
+A *PP decoder* is a top-level class whose ``forward`` takes ``intermediate_tensors`` and runs one loop over
+this stage's layers in one of the forms vLLM uses::
+
+    for layer in islice(self.layers, self.start_layer, self.end_layer):              # or self.layers[s:e]
+    for i, layer in enumerate(islice(...)[, start=self.start_layer]):                 # enumerate of either
+    for i, layer in islice(enumerate(self.layers), self.start_layer, self.end_layer):
+    for i in range(self.start_layer, self.end_layer):  ... self.layers[i](...) / layer = self.layers[i]
+
+``forward_plan`` reads what the rewrite needs (the loop, its global index, the names sent to the next
+stage, the returns, an existing PP=1-only capture to remove) or raises ``Decline`` with the construct and
+the node it is about (the caller turns the node into a line). Pure libcst; imports no vLLM and no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import libcst as cst
+import libcst.matchers as m
+
+from pipespec.codemods.vllm_forward_shape import names_in, self_attr
+
+FLAG = "supports_aux_hidden_states_over_pp"
+CAPTURE_CALLS = ("_maybe_add_hidden_state",)
+START, END = self_attr("start_layer"), self_attr("end_layer")
+_ISLICE = m.Call(func=m.Name("islice") | m.Attribute(attr=m.Name("islice")),
+                 args=[m.Arg(self_attr()), m.Arg(START), m.Arg(END)])
+_SLICE = m.Subscript(value=self_attr(), slice=[m.SubscriptElement(m.Slice(lower=START, upper=END, step=None))])
+STAGE_LAYERS = _ISLICE | _SLICE
+_ENUMERATE = m.Call(func=m.Name("enumerate"), args=[m.Arg(STAGE_LAYERS, keyword=None), m.ZeroOrMore()])
+_ISLICE_ENUM = m.Call(func=m.Name("islice") | m.Attribute(attr=m.Name("islice")),
+                      args=[m.Arg(m.Call(func=m.Name("enumerate"), args=[m.Arg(self_attr())])), m.Arg(START), m.Arg(END)])
+_RANGE = m.Call(func=m.Name("range"), args=[m.Arg(START), m.Arg(END)])
+STAGE_LOOP_ITER = STAGE_LAYERS | _ENUMERATE | _ISLICE_ENUM | _RANGE
+_INTERMEDIATE = m.Call(func=m.Name("IntermediateTensors") | m.Attribute(attr=m.Name("IntermediateTensors")))
+RANK = m.Attribute(value=m.Call(func=m.Name("get_pp_group"), args=[]), attr=m.Name("is_first_rank") | m.Name("is_last_rank"))
+
+
+class Decline(Exception):
+    """The decoder cannot be rewritten safely: ``reason`` names the construct, ``node`` where it is."""
+
+    def __init__(self, reason: str, node: cst.CSTNode) -> None:
+        super().__init__(reason)
+        self.reason, self.node = reason, node
+
+
+def code_of(node: cst.CSTNode) -> str:
+    """One-line source text of a node, for messages."""
+    text = cst.Module([]).code_for_node(node).strip()
+    text = " ".join(text.split())
+    return text if len(text) <= 90 else text[:87] + "..."
+
+
+def params_of(fn: cst.FunctionDef) -> set[str]:
+    p = fn.params
+    return {x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)}
+
+
+def methods(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
+    """The class's own methods by name (the last definition wins, as in Python)."""
+    body = cls.body.body if isinstance(cls.body, cst.IndentedBlock) else ()
+    return {s.name.value: s for s in body if isinstance(s, cst.FunctionDef)}
+
+
+def own_flag(cls: cst.ClassDef) -> cst.SimpleStatementLine | None:
+    """The class-body line ``supports_aux_hidden_states_over_pp = ...``, if the class sets it itself."""
+    body = cls.body.body if isinstance(cls.body, cst.IndentedBlock) else ()
+    for stmt in body:
+        if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(FLAG))])
+                                                      | m.AnnAssign(target=m.Name(FLAG))])):
+            return cst.ensure_type(stmt, cst.SimpleStatementLine)
+    return None
+
+
+class _OwnScope(cst.CSTVisitor):
+    """Loops, returns and jumps of one function's own body (nested functions/classes/lambdas excluded)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.loops: list[cst.For] = []
+        self.returns: list[cst.Return] = []
+        self.jumps: list[cst.CSTNode] = []
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        self.depth += 1
+        return self.depth == 1
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+        self.depth -= 1
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        return False
+
+    def visit_Lambda(self, node: cst.Lambda) -> bool:
+        return False
+
+    def visit_For(self, node: cst.For) -> None:
+        self.loops.append(node)
+
+    def visit_Return(self, node: cst.Return) -> None:
+        self.returns.append(node)
+
+    def visit_Break(self, node: cst.Break) -> None:
+        self.jumps.append(node)
+
+    def visit_Continue(self, node: cst.Continue) -> None:
+        self.jumps.append(node)
+
+    def visit_Yield(self, node: cst.Yield) -> None:
+        self.jumps.append(node)
+
+
+def own_scope(node: cst.CSTNode) -> _OwnScope:
+    scope = _OwnScope()
+    node.visit(scope)
+    return scope
+
+
+def stage_loops(fn: cst.FunctionDef) -> list[cst.For]:
+    return [loop for loop in own_scope(fn).loops if m.matches(loop.iter, STAGE_LOOP_ITER)]
+
+
+def is_pp_decoder(cls: cst.ClassDef) -> bool:
+    """A forward that takes ``intermediate_tensors`` and loops over this stage's layers."""
+    forward = methods(cls).get("forward")
+    return forward is not None and "intermediate_tensors" in params_of(forward) and bool(stage_loops(forward))
+
+
+@dataclass(frozen=True)
+class Loop:
+    """The layer loop, how to read its global index, and what to rewrite in its header."""
+
+    node: cst.For
+    layers_attr: str
+    next_id: cst.BaseExpression  # the aux id after this iteration's layer: ``idx + 1`` with a global idx
+    new_iter: cst.BaseExpression | None
+    new_target: cst.BaseAssignTargetExpression | None
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """Everything the rewrite of one decoder's forward needs."""
+
+    loop: Loop
+    hidden: str
+    residual: str | None  # the name sent as ``"residual"`` to the next stage (None: no separate residual)
+    residual_bound_before_loop: bool
+    nonlast: tuple[cst.Return, ...]  # ``return IntermediateTensors({...})``
+    last: tuple[cst.Return, ...]  # the last rank's ``return <hidden>``
+    remove: tuple[cst.CSTNode, ...]  # the old PP=1-only capture: statements to drop
+    aux: str  # the name of the local aux list
+    has_rank_check: bool  # forward already asks get_pp_group() (else the rewrite adds the first-rank check)
+
+
+def _loop(loop: cst.For, used: set[str]) -> Loop:
+    it, target = loop.iter, loop.target
+    one = cst.Integer("1")
+
+    def plus_one(idx: str) -> cst.BaseExpression:
+        return cst.BinaryOperation(cst.Name(idx), cst.Add(), one)
+
+    if m.matches(it, _RANGE):
+        if not isinstance(target, cst.Name):
+            raise Decline(f"the range loop's target `{code_of(target)}` is not one name", loop)
+        idx = target.value
+        subs = m.findall(loop.body, m.Subscript(value=self_attr(), slice=[m.SubscriptElement(m.Index(m.Name(idx)))]))
+        attrs = {cst.ensure_type(cst.ensure_type(s, cst.Subscript).value, cst.Attribute).attr.value for s in subs}
+        if len(attrs) != 1:
+            raise Decline(f"the range loop indexes {len(attrs)} module lists with `{idx}` (expected one: self.layers[{idx}])", loop)
+        return Loop(loop, attrs.pop(), plus_one(idx), None, None)
+    if m.matches(it, _ISLICE_ENUM):
+        inner = cst.ensure_type(cst.ensure_type(it, cst.Call).args[0].value, cst.Call)
+        attr = cst.ensure_type(inner.args[0].value, cst.Attribute).attr.value
+        if not m.matches(target, m.Tuple([m.Element(m.Name()), m.Element()])):
+            raise Decline(f"the islice(enumerate(...)) loop's target `{code_of(target)}` is not `index, layer`", loop)
+        idx = cst.ensure_type(cst.ensure_type(target, cst.Tuple).elements[0].value, cst.Name).value
+        return Loop(loop, attr, plus_one(idx), None, None)
+    enumerated = m.matches(it, _ENUMERATE)
+    args = cst.ensure_type(it, cst.Call).args if enumerated else ()
+    stage_layers = args[0].value if enumerated else it
+    attr = cst.ensure_type(m.findall(stage_layers, self_attr())[0], cst.Attribute).attr.value
+    if not enumerated:
+        idx = _fresh("idx", used)
+        new_iter = cst.Call(cst.Name("enumerate"), [
+            cst.Arg(stage_layers, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+            cst.Arg(START_EXPR(), keyword=cst.Name("start"), equal=cst.AssignEqual(
+                whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")))])
+        new_target = cst.Tuple([cst.Element(cst.Name(idx), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                                cst.Element(target)], lpar=[], rpar=[])
+        return Loop(loop, attr, plus_one(idx), new_iter, new_target)
+    if not m.matches(target, m.Tuple([m.Element(m.Name()), m.Element()])):
+        raise Decline(f"the enumerate loop's target `{code_of(target)}` is not `index, layer`", loop)
+    idx = cst.ensure_type(cst.ensure_type(target, cst.Tuple).elements[0].value, cst.Name).value
+    if len(args) == 1:  # counts from 0 on every stage: the global id is start_layer + idx + 1
+        return Loop(loop, attr, cst.parse_expression(f"self.start_layer + {idx} + 1"), None, None)
+    if len(args) == 2 and m.matches(args[1].value, START) and (args[1].keyword is None or args[1].keyword.value == "start"):
+        return Loop(loop, attr, plus_one(idx), None, None)
+    raise Decline(f"the enumerate loop counts from `{code_of(args[1].value)}`, not self.start_layer", loop)
+
+
+def START_EXPR() -> cst.Attribute:  # noqa: N802 - reads like the constant it builds
+    return cst.Attribute(cst.Name("self"), cst.Name("start_layer"))
+
+
+def _fresh(base: str, used: set[str]) -> str:
+    name, n = base, 1
+    while name in used:
+        name, n = f"{base}_{n}", n + 1
+    return name
+
+
+def _dict_entries(ret: cst.Return) -> dict[str, cst.BaseExpression]:
+    call = cst.ensure_type(ret.value, cst.Call)
+    if len(call.args) != 1 or call.args[0].keyword is not None or not isinstance(call.args[0].value, cst.Dict):
+        raise Decline(f"the non-last-rank return `{code_of(ret)}` is not IntermediateTensors({{...}}) with a dict literal", ret)
+    out: dict[str, cst.BaseExpression] = {}
+    for el in cst.ensure_type(call.args[0].value, cst.Dict).elements:
+        if isinstance(el, cst.DictElement) and isinstance(el.key, cst.SimpleString):
+            out[el.key.evaluated_value if isinstance(el.key.evaluated_value, str) else ""] = el.value
+        elif isinstance(el, cst.StarredDictElement):
+            if m.matches(el.value, m.Call(func=m.Attribute(attr=m.Name("pack_local_aux_hidden_states")))):
+                raise Decline("already packs aux states (pack_local_aux_hidden_states) but the class does not set "
+                              f"{FLAG} = True itself: review it and add that line", ret)
+    return out
+
+
+def _aux_names(fn: cst.FunctionDef) -> set[str]:
+    """Names of lists an existing capture fills: the first argument of ``_maybe_add_hidden_state`` or the
+    receiver of ``.append`` under an ``aux_hidden_state_layers`` check, plus ``aux_hidden_states``."""
+    names = {"aux_hidden_states"} & names_in(fn)
+    for call in m.findall(fn, m.Call(func=m.Attribute(attr=m.Name("_maybe_add_hidden_state")), args=[m.Arg(m.Name()), m.ZeroOrMore()])):
+        names.add(cst.ensure_type(cst.ensure_type(call, cst.Call).args[0].value, cst.Name).value)
+    for assign in m.findall(fn, m.Assign(targets=[m.AssignTarget(m.Name())],
+                                         value=m.Call(func=m.Attribute(attr=m.Name("_maybe_add_hidden_state"))))):
+        names.add(cst.ensure_type(cst.ensure_type(assign, cst.Assign).targets[0].target, cst.Name).value)
+    return names
+
+
+def _is_capture_stmt(stmt: cst.CSTNode, aux: set[str], hidden: str, residual: str | None) -> bool:
+    """A statement of an existing PP=1-only capture, whose meaning the contract's capture replaces."""
+    aux_m = m.OneOf(*(m.Name(n) for n in aux)) if aux else m.Name("aux_hidden_states")
+    stream = {hidden} | ({residual} if residual else set())
+    if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(aux_m)], value=m.List([]))
+                                                  | m.AnnAssign(target=aux_m, value=m.List([]))])):
+        return True
+    capture = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("_maybe_add_hidden_state")))
+    if m.matches(stmt, m.SimpleStatementLine(body=[m.Expr(capture) | m.Assign(targets=[m.AssignTarget(aux_m)], value=capture)])):
+        return True
+    if isinstance(stmt, cst.If) and stmt.orelse is None and "aux_hidden_state_layers" in names_in(stmt.test):
+        return all(_is_append(s, aux_m, stream) for s in cst.ensure_type(stmt.body, cst.IndentedBlock).body)
+    return False
+
+
+def _is_append(stmt: cst.BaseStatement, aux_m: m.BaseMatcherNode, stream: set[str]) -> bool:
+    """``aux.append(<hidden/residual arithmetic>)`` or ``tmp = <that>`` (a value the contract captures too)."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return False
+    small = stmt.body[0]
+    value: cst.BaseExpression
+    if m.matches(small, m.Expr(m.Call(func=m.Attribute(value=aux_m, attr=m.Name("append")), args=[m.Arg()]))):
+        value = cst.ensure_type(cst.ensure_type(small, cst.Expr).value, cst.Call).args[0].value
+    elif m.matches(small, m.Assign(targets=[m.AssignTarget(m.Name())])):
+        value = cst.ensure_type(small, cst.Assign).value
+    else:
+        return False
+    return _is_stream_value(value, stream | {n.value for n in _tmp_names(stmt)})
+
+
+def _tmp_names(stmt: cst.SimpleStatementLine) -> list[cst.Name]:
+    small = stmt.body[0]
+    return [t.target for t in small.targets if isinstance(t.target, cst.Name)] if isinstance(small, cst.Assign) else []
+
+
+def _is_stream_value(value: cst.BaseExpression, stream: set[str]) -> bool:
+    if isinstance(value, cst.Name):
+        return value.value in stream
+    if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Add):
+        return _is_stream_value(value.left, stream) and _is_stream_value(value.right, stream)
+    return False
+
+
+def _is_aux_return_guard(stmt: cst.CSTNode, aux: set[str]) -> bool:
+    """``if len(aux) > 0: return hidden, aux`` / ``if aux: return hidden, aux`` (the PP=1-only last return)."""
+    if not isinstance(stmt, cst.If) or stmt.orelse is not None or not (names_in(stmt.test) & aux):
+        return False
+    body = cst.ensure_type(stmt.body, cst.IndentedBlock).body if isinstance(stmt.body, cst.IndentedBlock) else ()
+    return len(body) == 1 and m.matches(body[0], m.SimpleStatementLine(body=[m.Return(m.Tuple([m.Element(), m.Element(m.OneOf(*(m.Name(n) for n in aux)))]))]))
+
+
+def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> ForwardPlan:
+    """Read the decoder's forward (see the module docstring); ``Decline`` for what it cannot rewrite."""
+    fn = methods(cls)["forward"]
+    loops = stage_loops(fn)
+    if len(loops) > 1:
+        raise Decline(f"forward has {len(loops)} layer loops over this stage's layers (only one is understood)", loops[1])
+    loop = loops[0]
+    body = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
+    if not any(s is loop for s in body):
+        raise Decline(f"the layer loop `for ... in {code_of(loop.iter)}` is nested inside another statement "
+                      "(only a loop at forward's top level is understood)", loop)
+    if loop.orelse is not None:
+        raise Decline("the layer loop has an else branch", loop)
+    scope = own_scope(fn)
+    if scope.jumps:
+        raise Decline(f"forward uses `{code_of(scope.jumps[0])}`: a layer skipped or left early would skip its capture", scope.jumps[0])
+    used = names_in(fn)
+    parsed = _loop(loop, used)
+    loop_end = line_of(loop) + code_of_lines(loop)
+    nonlast, last = [], []
+    for ret in scope.returns:
+        if line_of(ret) < loop_end:
+            raise Decline(f"forward returns before its layer loop ends (`{code_of(ret)}`)", ret)
+        if m.matches(ret.value, _INTERMEDIATE):
+            nonlast.append(ret)
+        elif ret.value is None:
+            raise Decline("forward has a bare `return`: the last rank must return the hidden states", ret)
+        else:
+            last.append(ret)
+    if not nonlast:
+        raise Decline("forward never returns IntermediateTensors({...}) for non-last ranks: it does not support "
+                      "pipeline parallelism", fn)
+    entries = [_dict_entries(r) for r in nonlast]
+    sent_hidden: set[str] = set()
+    sent_residual: set[str | None] = set()
+    for ret, entry in zip(nonlast, entries):
+        value = entry.get("hidden_states")
+        if not isinstance(value, cst.Name):
+            shown = code_of(value) if value is not None else "no hidden_states"
+            raise Decline(f"a non-last-rank return sends `{shown}` as \"hidden_states\" (`{code_of(ret)}`), not the "
+                          "stream the layers produce: a capture of that branch would not be what the next stage receives", ret)
+        sent_hidden.add(value.value)
+        res = entry.get("residual")
+        if res is not None and not isinstance(res, cst.Name):
+            raise Decline(f"a non-last-rank return sends `{code_of(res)}` as \"residual\", not a name the layers assign", ret)
+        sent_residual.add(res.value if isinstance(res, cst.Name) else None)
+    if len(sent_hidden) != 1 or len(sent_residual) != 1:
+        raise Decline("the non-last-rank returns send different tensors (`"
+                      + "`, `".join(code_of(r) for r in nonlast) + "`): the captured stream differs by branch", nonlast[1])
+    hidden, residual = sent_hidden.pop(), sent_residual.pop()
+    _check_layer_call(loop, hidden, residual)
+    _check_after_loop(fn, body, loop, hidden, residual, nonlast)
+    aux = _aux_names(fn)
+    remove: list[cst.CSTNode] = []
+    for stmt in [*body, *cst.ensure_type(loop.body, cst.IndentedBlock).body]:
+        if stmt is loop:
+            continue
+        if _is_capture_stmt(stmt, aux, hidden, residual) or _is_aux_return_guard(stmt, aux):
+            remove.append(stmt)
+    removed = {id(n) for n in remove}
+    for name in aux | {"aux_hidden_state_layers", "_maybe_add_hidden_state"}:
+        for stmt in [*body, *cst.ensure_type(loop.body, cst.IndentedBlock).body]:
+            if stmt is loop or id(stmt) in removed:
+                continue
+            if name in names_in(stmt):
+                raise Decline(f"`{code_of(stmt)}` uses {name} in a way the rewrite does not understand (an existing "
+                              "capture of something other than the residual stream)", stmt)
+    for ret in last:
+        if isinstance(ret.value, cst.Tuple) and not any(r is ret for g in remove for r in m.findall(g, m.Return())):
+            raise Decline(f"the last rank already returns a tuple (`{code_of(ret)}`)", ret)
+    last = [r for r in last if not any(r is x for g in remove for x in m.findall(g, m.Return()))]
+    if not last:
+        raise Decline("forward has no last-rank return of the hidden states", fn)
+    for ret in last:
+        _check_return_placement(fn, ret)
+    before = body[: next(i for i, s in enumerate(body) if s is loop)]
+    bound = residual is not None and any(residual in _bound_names(s) for s in before)
+    rank_check = bool(m.findall(fn, RANK))
+    aux_name = "aux_hidden_states" if "aux_hidden_states" in aux or "aux_hidden_states" not in used else _fresh("aux_hidden_states", used)
+    return ForwardPlan(parsed, hidden, residual, bound, tuple(nonlast), tuple(last), tuple(remove), aux_name, rank_check)
+
+
+def code_of_lines(node: cst.CSTNode) -> int:
+    return cst.Module([]).code_for_node(node).strip("\n").count("\n")
+
+
+def _bound_names(stmt: cst.CSTNode) -> set[str]:
+    out: set[str] = set()
+    for t in m.findall(stmt, m.AssignTarget() | m.AnnAssign()):
+        target = t.target  # type: ignore[attr-defined]
+        out |= {n.value for n in m.findall(target, m.Name())}
+    return out
+
+
+def _check_layer_call(loop: cst.For, hidden: str, residual: str | None) -> None:
+    """Every assignment in the loop that binds the hidden stream binds only it and the residual; anything
+    else a layer hands to the next layer (deferred adds, recurrent state) is not in the captured stream."""
+    body = cst.ensure_type(loop.body, cst.IndentedBlock)
+    for assign in m.findall(body, m.Assign()):
+        for t in cst.ensure_type(assign, cst.Assign).targets:
+            if not isinstance(t.target, (cst.Tuple, cst.List)):
+                continue
+            names = [e.value for e in t.target.elements]
+            plain = [n.value for n in names if isinstance(n, cst.Name)]
+            if hidden not in plain:
+                continue
+            extra = [n for n in plain if n not in (hidden, residual, "_")]
+            if extra or len(plain) != len(names):
+                carried = extra[0] if extra else code_of(t.target)
+                raise Decline(f"the layer call assigns `{code_of(t.target)}`: `{carried}` is carried from layer to "
+                              "layer but not sent to the next stage as \"residual\", so the stream at a layer "
+                              "boundary is not hidden_states (+ residual)", assign)
+    if hidden not in {n.value for t in m.findall(body, m.AssignTarget()) for n in m.findall(t, m.Name())}:
+        raise Decline(f"the layer loop never assigns `{hidden}` (the tensor sent to the next stage)", loop)
+
+
+def _check_after_loop(fn: cst.FunctionDef, body: list[cst.BaseStatement], loop: cst.For, hidden: str,
+                      residual: str | None, nonlast: list[cst.Return]) -> None:
+    """Nothing between the loop and a non-last return changes what is sent: the last layer's capture must
+    be what the next stage receives."""
+    at = next(i for i, s in enumerate(body) if s is loop)
+    stream = {hidden} | ({residual} if residual else set())
+    for stmt in body[at + 1:]:
+        if any(r is x for r in nonlast for x in m.findall(stmt, m.Return())):
+            inner = stmt.body.body if isinstance(stmt, cst.If) and isinstance(stmt.body, cst.IndentedBlock) else ()
+            for s in inner:
+                if _bound_names(s) & stream:
+                    raise Decline(f"`{code_of(s)}` changes `{'/'.join(sorted(_bound_names(s) & stream))}` after the "
+                                  "layer loop, before the non-last-rank return: the stream sent on is not the last "
+                                  "layer's output", s)
+            return
+        if _bound_names(stmt) & stream:
+            raise Decline(f"`{code_of(stmt)}` changes the stream after the layer loop, before the non-last-rank return", stmt)
+
+
+def _check_return_placement(fn: cst.FunctionDef, ret: cst.Return) -> None:
+    for line in m.findall(fn, m.SimpleStatementSuite()):
+        if any(x is ret for x in m.findall(line, m.Return())):
+            raise Decline(f"the last-rank return `{code_of(ret)}` is on one line with its `if`/`else`", ret)
+    for line in m.findall(fn, m.SimpleStatementLine()):
+        if any(x is ret for x in cst.ensure_type(line, cst.SimpleStatementLine).body) and len(line.body) > 1:  # type: ignore[attr-defined]
+            raise Decline(f"the last-rank return `{code_of(ret)}` shares its line with other statements", ret)
