@@ -1,0 +1,178 @@
+"""What pipespec does for one vLLM run: nothing, adapt the model class, or refuse — decided before weights load.
+
+``decide(architecture, cls, method, pp)`` is the verdict on a resolved vLLM model class (also what
+``pipespec verify --engine vllm`` prints); ``apply_to_engine_config(vllm_config)`` is the engine-load step
+the plugin's one patch calls right after vLLM builds its config, in the front-end:
+
+* no EAGLE3-family method (eagle3, dflash, dspark) → nothing;
+* the draft's aux ids outside the target's layers → ``UsageError``;
+* PP > 1 on vLLM's V1 model runner (it builds the drafter on the last rank only and never relays aux
+  states; only the V2 runner, which needs Triton, does) → ``UnsupportedModelError`` naming the runner;
+* the class already supports the run (``judge_vllm_class``: decided on the class itself, not on an
+  inherited flag) → nothing;
+* else the class's own module is adapted with the vLLM-native codemod, the result is verified, and its
+  ``module:Class`` goes into ``model_class_overrides`` (vLLM registers it in every process) — or the run
+  is refused in vLLM's words plus pipespec's reason.
+
+Imports vLLM (this is ``pipespec.integrations.vllm``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pipespec.errors import PipespecError, UnsupportedModelError, UsageError
+from pipespec.integrations.vllm.adapted_modules import adapted_module_name, install_finder
+from pipespec.integrations.vllm.support import judge_vllm_class
+
+EAGLE3_FAMILY = ("eagle3", "dflash", "dspark")
+RUNNER_V1 = "V1 model runner"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The plugin's verdict on one model class for one run (``pipespec verify --engine vllm --json``)."""
+
+    architecture: str
+    cls: str  # module:Class vLLM resolves the architecture to
+    decision: str  # "supported" | "adapt" | "refuse" | "skip" (no EAGLE3-family method asked for)
+    reason: str
+    spec: str | None = None  # the adapter spec behind "adapt": "built-in gemma2", "inferred", ...
+    target: str | None = None  # module:Class of the adapted class ("adapt" only)
+
+    def as_json(self) -> dict[str, Any]:
+        """DESIGN.md's CLI contract: architecture, class, decision, reason, spec."""
+        data = asdict(self)
+        data["class"] = data.pop("cls")
+        data.pop("target")
+        return data
+
+    def log_line(self, method: str, pp: int) -> str:
+        where = f"over PP={pp}" if pp > 1 else "at PP=1"
+        name = self.cls.rpartition(":")[2]
+        return f"pipespec: adapted {name} for {method} {where} (spec: {self.spec})"
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__name__}"
+
+
+def _needs(method: str, pp: int) -> str:
+    return f"{method} with pipeline parallelism" if pp > 1 else method
+
+
+def decide(architecture: str, cls: type, method: str = "eagle3", pp: int = 1) -> Decision:
+    """Supported as is, adapt (and to what), or refuse, for ``cls`` registered as ``architecture``.
+
+    Builds and imports the adapted module when adaptation is needed (no weights, no model instance),
+    so "adapt" is only answered for a class that passed the same check afterwards.
+    """
+    path = _class_path(cls)
+    if method not in EAGLE3_FAMILY:
+        return Decision(architecture, path, "skip", f"{method!r} is not an EAGLE3-family method ({', '.join(EAGLE3_FAMILY)})")
+    before = judge_vllm_class(cls, pp=pp)
+    if before.supported:
+        return Decision(architecture, path, "supported", before.message(method, cls.__name__))
+    head = f"{cls.__name__} does not support {_needs(method, pp)}: {before.reason}"
+    if before.opted_out:
+        return Decision(architecture, path, "refuse", f"{head}; the class opts out itself, so pipespec leaves it alone")
+    name = adapted_module_name(cls.__module__, cls.__name__, architecture)
+    try:
+        built = install_finder().built(name)
+    except PipespecError as exc:
+        return Decision(architecture, path, "refuse", f"{head}; pipespec cannot adapt it: {exc}")
+    if built.status != "adapted":
+        why = built.reason or "the codemod left its decoder unchanged"
+        return Decision(architecture, path, "refuse", f"{head}; pipespec cannot adapt it: {built.status} ({why})",
+                        built.spec.label)
+    adapted = getattr(importlib.import_module(name), cls.__name__)
+    # Checked at PP >= 2 even for a PP = 1 run: the adapted class must also serve plain pipelines.
+    after = judge_vllm_class(adapted, pp=max(pp, 2))
+    if not after.supported:
+        return Decision(architecture, path, "refuse",
+                        f"{head}; pipespec's adaptation of {built.source_file} fails the check: {after.reason}",
+                        built.spec.label)
+    return Decision(architecture, path, "adapt", f"{head}; adapted from {built.source_file}", built.spec.label,
+                    f"{name}:{cls.__name__}")
+
+
+def v2_runner_available(vllm_config: Any | None = None) -> bool:
+    """Whether vLLM would use its V2 model runner (the only one that relays aux states over PP)."""
+    if vllm_config is not None:
+        return bool(vllm_config.use_v2_model_runner)
+    import vllm.envs as envs
+    from vllm.triton_utils import HAS_TRITON
+
+    chosen = envs.VLLM_USE_V2_MODEL_RUNNER
+    return bool(chosen) if chosen is not None else bool(HAS_TRITON)
+
+
+def runner_refusal(method: str, pp: int) -> str:
+    """The one line for EAGLE3-family methods over PP on vLLM's V1 model runner."""
+    return (
+        f"pipespec: {method} over PP={pp} cannot run on vLLM's {RUNNER_V1} (the one this build uses: the V2 "
+        "runner needs Triton): it creates the drafter on the last rank only and never relays aux hidden "
+        "states between ranks. Use PP=1, or vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, a GPU build)"
+    )
+
+
+def draft_aux_ids(speculative_config: Any) -> tuple[int, ...] | None:
+    """The aux ids the draft asks for, read the way vLLM reads them (None: the target's defaults)."""
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
+    return get_eagle3_aux_layers_from_config(speculative_config)
+
+
+def check_draft_aux_ids(speculative_config: Any, num_layers: int) -> None:
+    """Aux ids must be layer ids 0..N of the target (id N: the last layer's output before the norm)."""
+    ids = draft_aux_ids(speculative_config)
+    if not ids:
+        return
+    bad = [i for i in ids if not isinstance(i, int) or i < 0 or i > num_layers]
+    if bad:
+        raise UsageError(
+            f"draft {speculative_config.model}: aux hidden-state ids {list(ids)} include {bad}, outside the "
+            f"target's layers (ids 0..{num_layers} for {num_layers} decoder layers): use a draft trained for "
+            "this target, or fix eagle_aux_hidden_state_layer_ids in its config.json"
+        )
+
+
+def apply_to_engine_config(vllm_config: Any) -> Decision | None:
+    """The engine-load step: decide for this run and register the adapted class, or raise. Idempotent."""
+    from vllm.model_executor.models import ModelRegistry
+
+    from pipespec.integrations.vllm.patches import forget_cached_architectures
+
+    speculative = vllm_config.speculative_config
+    method = getattr(speculative, "method", None)
+    if speculative is None or method not in EAGLE3_FAMILY:
+        return None
+    model_config = vllm_config.model_config
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    check_draft_aux_ids(speculative, model_config.hf_text_config.num_hidden_layers)
+    if pp > 1 and not v2_runner_available(vllm_config):
+        raise UnsupportedModelError(runner_refusal(method, pp))
+    cls, architecture = model_config.registry.resolve_model_cls(model_config.architectures, model_config=model_config)
+    if parse_target(model_config.model_class_overrides.get(architecture)):
+        return None  # already applied to this config (create_engine_config called twice)
+    decision = decide(architecture, cls, method, pp)
+    if decision.decision == "refuse":
+        raise UnsupportedModelError(decision.reason)
+    if decision.decision != "adapt" or decision.target is None:
+        return decision
+    model_config.model_class_overrides[architecture] = decision.target
+    ModelRegistry.register_model(architecture, decision.target)
+    forget_cached_architectures()
+    from vllm.logger import init_logger
+
+    init_logger("vllm.plugins.pipespec").info(decision.log_line(method, pp))
+    return decision
+
+
+def parse_target(target: str | None) -> bool:
+    """Whether an override target is one of pipespec's adapted modules."""
+    from pipespec.integrations.vllm.adapted_modules import parse_adapted_module_name
+
+    return bool(target) and parse_adapted_module_name(str(target).partition(":")[0]) is not None
