@@ -60,6 +60,7 @@ TARGET_EMBED = "spec_decode_needs_target_embed"
 DRAFTER_EMBEDS = ("embed_tokens", "embedding")  # what vLLM's drafter reads on target.model
 MODELS_PKG = "vllm.model_executor.models"
 IMPORTS = {MIXIN: "interfaces", EAGLE3: "interfaces", TARGET_EMBED: "utils"}
+_REMOVED = "# pipespec: removed"
 PP_DECODER = ("a class whose forward takes intermediate_tensors and loops over islice(self.layers, "
               "self.start_layer, self.end_layer) or another form of this stage's layers")
 
@@ -343,9 +344,29 @@ class _RewriteForward(cst.CSTTransformer):
         return self.plan.residual if self.plan.residual is not None and bound else "None"
 
     def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode):  # type: ignore[no-untyped-def]
-        if id(original_node) in self.remove:
-            return cst.RemoveFromParent()
+        if id(original_node) in self.remove:  # a placeholder that leave_IndentedBlock drops
+            return cst.SimpleStatementLine([cst.Pass()], leading_lines=getattr(original_node, "leading_lines", ()),
+                                           trailing_whitespace=cst.TrailingWhitespace(comment=cst.Comment(_REMOVED)))
         return super().on_leave(original_node, updated_node)
+
+    def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> cst.IndentedBlock:
+        """Drop the old capture's statements; their blank lines and comments go to the next statement."""
+        removed = m.SimpleStatementLine(trailing_whitespace=m.TrailingWhitespace(comment=m.Comment(_REMOVED)))
+        if not any(m.matches(s, removed) for s in updated_node.body):
+            return updated_node
+        body: list[cst.BaseStatement] = []
+        carry: list[cst.EmptyLine] = []
+        for new in updated_node.body:
+            if m.matches(new, removed):
+                carry += [line for line in new.leading_lines if line.comment is None or "aux" not in line.comment.value.lower()]
+                continue
+            if carry:
+                lines = [*carry, *new.leading_lines]
+                lines = [x for i, x in enumerate(lines) if x.comment or i == 0 or lines[i - 1].comment]
+                new = new.with_changes(leading_lines=lines)
+                carry = []
+            body.append(new)
+        return updated_node.with_changes(body=body)
 
     def leave_For(self, original_node: cst.For, updated_node: cst.For) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
         if original_node is not self.plan.loop.node:
@@ -374,9 +395,12 @@ class _RewriteForward(cst.CSTTransformer):
         if id(original_node) not in self.nonlast:
             return updated_node
         call = cst.ensure_type(updated_node.value, cst.Call)
+        pack = cst.parse_expression(f"self.pack_local_aux_hidden_states({self.plan.aux})")
+        if isinstance(call.args[0].value, cst.Name):  # IntermediateTensors(tensors): a dict built above
+            merged = cst.parse_expression(f"{{**{call.args[0].value.value}, **{code_of(pack)}}}")
+            return updated_node.with_changes(value=call.with_changes(args=[call.args[0].with_changes(value=merged)]))
         table = cst.ensure_type(call.args[0].value, cst.Dict)
         elements = list(table.elements)
-        pack = cst.parse_expression(f"self.pack_local_aux_hidden_states({self.plan.aux})")
         last = elements[-1]
         sep = (elements[-2].comma if len(elements) > 1 and isinstance(elements[-2].comma, cst.Comma)
                else cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
@@ -389,9 +413,7 @@ class _RewriteForward(cst.CSTTransformer):
 
     def leave_SimpleStatementLine(
         self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
-    ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement] | cst.RemovalSentinel:
-        if id(original_node) in self.remove:
-            return cst.RemoveFromParent()
+    ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
         rets = [s for s in original_node.body if id(s) in self.last]
         if not rets:
             return updated_node

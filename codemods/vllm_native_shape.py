@@ -15,7 +15,7 @@ the node it is about (the caller turns the node into a line). Pure libcst; impor
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import libcst as cst
@@ -212,12 +212,19 @@ def _fresh(base: str, used: set[str]) -> str:
     return name
 
 
-def _dict_entries(ret: cst.Return) -> dict[str, cst.BaseExpression]:
+def _dict_entries(ret: cst.Return, body: Sequence[cst.BaseStatement]) -> dict[str, cst.BaseExpression]:
+    """The entries of ``IntermediateTensors({...})``, or of ``IntermediateTensors(name)`` where ``name`` is
+    assigned one dict literal in forward (later ``name[...] = ...`` / ``name.update(...)`` add more)."""
     call = cst.ensure_type(ret.value, cst.Call)
-    if len(call.args) != 1 or call.args[0].keyword is not None or not isinstance(call.args[0].value, cst.Dict):
-        raise Decline(f"the non-last-rank return `{code_of(ret)}` is not IntermediateTensors({{...}}) with a dict literal", ret)
+    table: cst.BaseExpression | None = call.args[0].value if len(call.args) == 1 and call.args[0].keyword is None else None
+    if isinstance(table, cst.Name):
+        found = [a for s in body for a in m.findall(s, m.Assign(targets=[m.AssignTarget(m.Name(table.value))]))]
+        table = cst.ensure_type(found[0], cst.Assign).value if len(found) == 1 else None
+    if not isinstance(table, cst.Dict):
+        raise Decline(f"the non-last-rank return `{code_of(ret)}` is not IntermediateTensors({{...}}) with a dict "
+                      "literal (or a name bound once to one)", ret)
     out: dict[str, cst.BaseExpression] = {}
-    for el in cst.ensure_type(call.args[0].value, cst.Dict).elements:
+    for el in table.elements:
         if isinstance(el, cst.DictElement) and isinstance(el.key, cst.SimpleString):
             out[el.key.evaluated_value if isinstance(el.key.evaluated_value, str) else ""] = el.value
         elif isinstance(el, cst.StarredDictElement):
@@ -304,15 +311,24 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
     if loop.orelse is not None:
         raise Decline("the layer loop has an else branch", loop)
     scope = own_scope(fn)
-    if scope.jumps:
-        raise Decline(f"forward uses `{code_of(scope.jumps[0])}`: a layer skipped or left early would skip its capture", scope.jumps[0])
+    jumps = _loop_jumps(loop)
+    if jumps:
+        raise Decline(f"the layer loop uses `{code_of(jumps[0])}`: a layer skipped or left early would skip its capture", jumps[0])
+    yields = [j for j in scope.jumps if isinstance(j, cst.Yield)]
+    if yields:
+        raise Decline("forward yields: only a function that returns is understood", yields[0])
     used = names_in(fn)
     parsed = _loop(loop, used)
     loop_end = line_of(loop) + code_of_lines(loop)
     nonlast, last = [], []
     for ret in scope.returns:
+        if line_of(ret) < line_of(loop):
+            owner = next((s for s in body if any(x is ret for x in m.findall(s, m.Return()))), None)
+            where = f" in `{code_of(owner.test)}`" if isinstance(owner, cst.If) else ""
+            raise Decline(f"forward returns before its layer loop (`{code_of(ret)}`{where}): that path would hand "
+                          "on no aux states and pack none for the next rank", ret)
         if line_of(ret) < loop_end:
-            raise Decline(f"forward returns before its layer loop ends (`{code_of(ret)}`)", ret)
+            raise Decline(f"forward returns inside its layer loop (`{code_of(ret)}`)", ret)
         if m.matches(ret.value, _INTERMEDIATE):
             nonlast.append(ret)
         elif ret.value is None:
@@ -322,7 +338,7 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
     if not nonlast:
         raise Decline("forward never returns IntermediateTensors({...}) for non-last ranks: it does not support "
                       "pipeline parallelism", fn)
-    entries = [_dict_entries(r) for r in nonlast]
+    entries = [_dict_entries(r, body) for r in nonlast]
     sent_hidden: set[str] = set()
     sent_residual: set[str | None] = set()
     for ret, entry in zip(nonlast, entries):
@@ -340,7 +356,7 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
         raise Decline("the non-last-rank returns send different tensors (`"
                       + "`, `".join(code_of(r) for r in nonlast) + "`): the captured stream differs by branch", nonlast[1])
     hidden, residual = sent_hidden.pop(), sent_residual.pop()
-    _check_layer_call(loop, hidden, residual)
+    _check_layer_call(fn, loop, hidden, residual)
     _check_after_loop(fn, body, loop, hidden, residual, nonlast)
     aux = _aux_names(fn)
     remove: list[cst.CSTNode] = []
@@ -355,8 +371,13 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
             if stmt is loop or id(stmt) in removed:
                 continue
             if name in names_in(stmt):
-                raise Decline(f"`{code_of(stmt)}` uses {name} in a way the rewrite does not understand (an existing "
-                              "capture of something other than the residual stream)", stmt)
+                gathers = sorted(n for n in names_in(stmt) if "gather" in n)
+                if gathers:
+                    raise Decline(f"`{code_of(stmt)}`: the existing capture gathers sequence-parallel shards "
+                                  f"({', '.join(gathers)}) before keeping a state; the contract's capture of the "
+                                  "stage's own tensors would keep shards", stmt)
+                raise Decline(f"`{code_of(stmt)}` uses {name} in a way the rewrite does not understand (it "
+                              "captures something other than hidden_states (+ residual) at a layer boundary)", stmt)
     for ret in last:
         if isinstance(ret.value, cst.Tuple) and not any(r is ret for g in remove for r in m.findall(g, m.Return())):
             raise Decline(f"the last rank already returns a tuple (`{code_of(ret)}`)", ret)
@@ -384,10 +405,11 @@ def _bound_names(stmt: cst.CSTNode) -> set[str]:
     return out
 
 
-def _check_layer_call(loop: cst.For, hidden: str, residual: str | None) -> None:
+def _check_layer_call(fn: cst.FunctionDef, loop: cst.For, hidden: str, residual: str | None) -> None:
     """Every assignment in the loop that binds the hidden stream binds only it and the residual; anything
     else a layer hands to the next layer (deferred adds, recurrent state) is not in the captured stream."""
     body = cst.ensure_type(loop.body, cst.IndentedBlock)
+    read = _read_names(fn)
     for assign in m.findall(body, m.Assign()):
         for t in cst.ensure_type(assign, cst.Assign).targets:
             if not isinstance(t.target, (cst.Tuple, cst.List)):
@@ -396,12 +418,14 @@ def _check_layer_call(loop: cst.For, hidden: str, residual: str | None) -> None:
             plain = [n.value for n in names if isinstance(n, cst.Name)]
             if hidden not in plain:
                 continue
-            extra = [n for n in plain if n not in (hidden, residual, "_")]
+            extra = [n for n in plain if n not in (hidden, residual, "_") and n in read]
             if extra or len(plain) != len(names):
-                carried = extra[0] if extra else code_of(t.target)
-                raise Decline(f"the layer call assigns `{code_of(t.target)}`: `{carried}` is carried from layer to "
-                              "layer but not sent to the next stage as \"residual\", so the stream at a layer "
-                              "boundary is not hidden_states (+ residual)", assign)
+                carried = ", ".join(f"`{n}`" for n in extra) if extra else f"`{code_of(t.target)}`"
+                sent = f"`{hidden}`" + (f" and `{residual}`" if residual else "")
+                raise Decline(f"the layer call assigns `{code_of(t.target)}`: {carried} "
+                              f"{'is' if len(extra) == 1 else 'are'} carried from layer to layer but the next stage "
+                              f"receives only {sent}, so the stream at a layer boundary is not hidden_states "
+                              "(+ residual)", assign)
     if hidden not in {n.value for t in m.findall(body, m.AssignTarget()) for n in m.findall(t, m.Name())}:
         raise Decline(f"the layer loop never assigns `{hidden}` (the tensor sent to the next stage)", loop)
 
@@ -432,3 +456,55 @@ def _check_return_placement(fn: cst.FunctionDef, ret: cst.Return) -> None:
     for line in m.findall(fn, m.SimpleStatementLine()):
         if any(x is ret for x in cst.ensure_type(line, cst.SimpleStatementLine).body) and len(line.body) > 1:  # type: ignore[attr-defined]
             raise Decline(f"the last-rank return `{code_of(ret)}` shares its line with other statements", ret)
+
+
+class _Reads(cst.CSTVisitor):
+    """Names read (not only assigned) in a subtree."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.targets: set[int] = set()
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self.targets |= {id(n) for n in m.findall(node.target, m.Name())
+                         if not any(n is x for a in m.findall(node.target, m.Attribute() | m.Subscript())
+                                    for x in m.findall(a, m.Name()))}
+
+    def visit_Name(self, node: cst.Name) -> None:
+        if id(node) not in self.targets:
+            self.names.add(node.value)
+
+
+def _read_names(fn: cst.FunctionDef) -> set[str]:
+    reads = _Reads()
+    fn.body.visit(reads)
+    return reads.names
+
+
+class _Jumps(cst.CSTVisitor):
+    """``break``/``continue`` that leave or skip an iteration of the loop visited (not of nested loops)."""
+
+    def __init__(self, loop: cst.For) -> None:
+        self.loop = loop
+        self.found: list[cst.CSTNode] = []
+
+    def visit_For(self, node: cst.For) -> bool:
+        return node is self.loop
+
+    def visit_While(self, node: cst.While) -> bool:
+        return False
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False
+
+    def visit_Break(self, node: cst.Break) -> None:
+        self.found.append(node)
+
+    def visit_Continue(self, node: cst.Continue) -> None:
+        self.found.append(node)
+
+
+def _loop_jumps(loop: cst.For) -> list[cst.CSTNode]:
+    visitor = _Jumps(loop)
+    loop.visit(visitor)
+    return visitor.found
