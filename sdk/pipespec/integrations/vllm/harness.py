@@ -1,0 +1,424 @@
+"""Build one vLLM model tiny inside vLLM on CPU and check its EAGLE3 aux states numerically.
+
+One process = one PP rank of vLLM's own process groups (gloo on 127.0.0.1, ``init_distributed_environment``
++ ``initialize_model_parallel``), kept alive while the zoo streams models through it (``serve``):
+
+- ``check_pp1``: the model under test (an adapted class, or the installed one) and the unadapted
+  reference are built by vLLM (``initialize_model`` under ``set_current_vllm_config``) from the same
+  tiny config, with the same seeded weights by parameter name. The model's ``*ForCausalLM`` gets
+  ``set_aux_hidden_state_layers(ids)``; the aux states its forward returns must equal the reference's
+  residual stream at those ids (forward hooks on the reference's decoder layers: id L < N is what enters
+  layer L, ``hidden_states + residual``; id N is the last layer's output before the norm), max abs error
+  <= ``ATOL`` in float32. It also checks ``supports_eagle3(model)`` and that the decoder class itself (its
+  ``__dict__``) sets ``supports_aux_hidden_states_over_pp = True``.
+- ``run_stage``: rank r of a PP=2 pair builds its stage of the model under test; rank 0 returns the
+  ``IntermediateTensors`` it would send, rank 1 runs on them and returns its aux states. The zoo
+  compares the keys with ``pipespec.layout.plan_layout`` and the values with the PP=1 reference.
+
+Attention: vLLM's attention backends need the metadata and KV cache its model runner builds; without
+them (``set_forward_context(None, ...)``, vLLM's profiling mode) the CPU backend returns the
+``torch.empty`` output buffer unwritten. The harness therefore replaces the output of every vLLM
+attention layer (``AttentionLayerBase``: attention, MLA, Mamba/linear-attention mixers) with zeros, the
+same for the model and the reference, so attention itself is not exercised; embeddings, norms, MLPs/MoE,
+the residual stream, the decoder loop and its aux capture/packing are.
+
+Imports vLLM (lives in ``pipespec.integrations.vllm``); nothing outside that package may import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import os
+import sys
+import tempfile
+import types
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["ATOL", "Job", "check_pp1", "init_rank", "run_stage", "serve", "zoo_ids"]
+
+#: Max abs error between the aux states and the reference residual stream (float32, same kernels).
+ATOL = 1e-5
+NUM_TOKENS = 7
+AUX_PREFIX = "aux_hidden_states_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One decoder to check: where its classes live, what to build, and the adapted source if any."""
+
+    file: str  # path under the vllm package, e.g. "model_executor/models/llama.py"
+    module: str  # the installed module, e.g. "vllm.model_executor.models.llama"
+    decoder: str  # decoder class name
+    causal_lm: str  # the *ForCausalLM class name built
+    architecture: str  # registry name that builds ``causal_lm``
+    decoder_attr: str = "model"  # attribute of the *ForCausalLM holding the decoder
+    code: str | None = None  # adapted module source; None checks the installed module as it is
+
+
+def zoo_ids(num_layers: int, pp_start: int) -> tuple[int, ...]:
+    """Ids covering 0, the stage boundary (upstream's last output), one id after it, and N."""
+    return tuple(sorted({0, pp_start, min(pp_start + 1, num_layers), num_layers}))
+
+
+# ------------------------------------------------------------------------------- process setup
+def init_rank(world_size: int, rank: int, init_method: str) -> None:
+    """Join vLLM's process groups (gloo, CPU) as ``rank`` of ``world_size`` PP ranks (TP = 1)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    torch.set_num_threads(1)
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=world_size, rank=rank, distributed_init_method=init_method, local_rank=0, backend="gloo"
+        )
+        initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=world_size)
+
+
+_ADAPTED: dict[tuple[str, int], types.ModuleType] = {}
+
+
+def _adapted_module(job: Job) -> types.ModuleType:
+    """Import the adapted source as a sibling of the installed module (package-relative imports work)."""
+    assert job.code is not None
+    key = (job.module, zlib.crc32(job.code.encode()))
+    if key in _ADAPTED:
+        return _ADAPTED[key]
+    package, _, stem = job.module.rpartition(".")
+    name = f"{package}._pipespec_adapted_{stem}_{key[1]:08x}"
+    module = types.ModuleType(name)
+    module.__package__ = package
+    module.__file__ = f"<adapted {job.file}>"
+    sys.modules[name] = module
+    try:
+        # dont_inherit: this module's `from __future__ import annotations` must not turn the generated
+        # annotations into strings (vLLM's @support_torch_compile reads them as types)
+        exec(compile(job.code, module.__file__, "exec", dont_inherit=True), module.__dict__)  # noqa: S102
+    except BaseException:
+        del sys.modules[name]
+        raise
+    _ADAPTED[key] = module
+    return module
+
+
+def _classes(job: Job) -> tuple[type, type]:
+    """(class under test, unadapted reference class) of ``job``'s ``*ForCausalLM``."""
+    original = importlib.import_module(job.module)
+    reference = getattr(original, job.causal_lm)
+    tested = getattr(_adapted_module(job), job.causal_lm) if job.code is not None else reference
+    return tested, reference
+
+
+# ------------------------------------------------------------------------------------ building
+_MODEL_DIRS: dict[str, str] = {}
+
+
+def _model_dir(job: Job) -> str:
+    from pipespec.integrations.vllm.tiny import tiny_vllm_config, write_model_dir
+
+    if job.architecture not in _MODEL_DIRS:
+        config, _ = tiny_vllm_config(job.architecture, os.path.splitext(os.path.basename(job.file))[0])
+        _MODEL_DIRS[job.architecture] = write_model_dir(config, tempfile.mkdtemp(prefix="pipespec-vllm-zoo-"))
+    return _MODEL_DIRS[job.architecture]
+
+
+@dataclasses.dataclass
+class Built:
+    model: torch.nn.Module
+    vllm_config: Any
+    decoder: torch.nn.Module
+
+
+_REGISTERED: set[str] = set()
+
+
+def _register(job: Job) -> None:
+    """Register the installed class under its architecture in this worker's registry, so that
+    ``ModelConfig`` inspects it in-process (the lazy entry inspects it in a subprocess, ~8 s each)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    if job.architecture not in _REGISTERED:
+        ModelRegistry.register_model(job.architecture, getattr(importlib.import_module(job.module), job.causal_lm))
+        _REGISTERED.add(job.architecture)
+
+
+def build(cls: type, job: Job) -> Built:
+    """``cls`` built by vLLM from the tiny config, seeded weights, vLLM's post-load processing."""
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+
+    _register(job)
+
+    model_config = ModelConfig(
+        model=_model_dir(job), dtype="float32", skip_tokenizer_init=True, enforce_eager=True, seed=0,
+        trust_remote_code=False,
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config, device_config=DeviceConfig("cpu"), load_config=LoadConfig(load_format="dummy")
+    )
+    with set_current_vllm_config(vllm_config):
+        model = initialize_model(vllm_config, model_class=cls)
+        _fill_weights(model)
+        process_weights_after_loading(model, model_config, torch.device("cpu"))
+    model.eval()
+    _silence_attention(model)
+    decoder = getattr(model, job.decoder_attr, None)
+    if not isinstance(decoder, torch.nn.Module):
+        raise RuntimeError(f"{job.causal_lm}.{job.decoder_attr} is not the decoder module (got {type(decoder).__name__})")
+    return Built(model=model, vllm_config=vllm_config, decoder=decoder)
+
+
+def _fill_weights(model: torch.nn.Module) -> None:
+    """Every floating parameter from a generator seeded by its name: same values in every build."""
+    gen = torch.Generator()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.is_floating_point() or param.numel() == 0:
+                continue
+            gen.manual_seed(zlib.crc32(name.encode()))
+            values = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            leaf = name.rsplit(".", 1)[-1]
+            if param.dim() == 1 and "norm" in name and leaf == "weight":
+                values = 1.0 + 0.1 * values
+            else:
+                values = 0.05 * values
+            param.copy_(values.to(param.dtype))
+
+
+def _silence_attention(model: torch.nn.Module) -> None:
+    """Zero every vLLM attention layer's output (see the module docstring: no runner metadata)."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    def zero(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+        try:
+            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            bound = {}
+        buffer = bound.get("output")
+        if isinstance(buffer, torch.Tensor):
+            buffer.zero_()
+        return _zeros_like(out)
+
+    for module in model.modules():
+        if isinstance(module, AttentionLayerBase):
+            module.register_forward_hook(zero, with_kwargs=True)
+
+
+def _zeros_like(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return torch.zeros_like(out)
+    if isinstance(out, tuple):
+        return tuple(_zeros_like(o) for o in out)
+    return out
+
+
+# ------------------------------------------------------------------------------------ running
+def _inputs(built: Built) -> tuple[torch.Tensor, torch.Tensor]:
+    config = built.vllm_config.model_config.hf_config
+    vocab = int(getattr(config.get_text_config(), "vocab_size", 128) or 128)
+    ids = (torch.arange(NUM_TOKENS) * 37 + 3) % min(vocab, 128)
+    positions = torch.arange(NUM_TOKENS)
+    if built.vllm_config.model_config.uses_mrope:
+        positions = positions.expand(3, NUM_TOKENS).contiguous()
+    return ids, positions
+
+
+def _forward(built: Built, intermediate: Any | None = None) -> Any:
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    input_ids, positions = _inputs(built)
+    with torch.no_grad(), set_current_vllm_config(built.vllm_config), set_forward_context(
+        None, built.vllm_config, num_tokens=NUM_TOKENS
+    ):
+        return built.model(input_ids=input_ids, positions=positions, intermediate_tensors=intermediate)
+
+
+_LAYER_LISTS = ("layers", "h", "blocks", "layer", "decoder_layers")
+
+
+def _layers(decoder: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder's layer list: the usual names first, else the ModuleList spanning ``end_layer``."""
+    for name in _LAYER_LISTS:
+        layers = getattr(decoder, name, None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return layers
+    end = getattr(decoder, "end_layer", None)
+    for child in decoder.children():
+        if isinstance(child, torch.nn.ModuleList) and isinstance(end, int) and len(child) >= end > 0:
+            return child
+    raise RuntimeError(f"{type(decoder).__name__} has no layer ModuleList ({', '.join(_LAYER_LISTS)}) to read the reference from")
+
+
+def _stream(hidden: Any, residual: Any) -> torch.Tensor:
+    if not isinstance(hidden, torch.Tensor):
+        raise RuntimeError(f"decoder layer hidden states are {type(hidden).__name__}, not a tensor")
+    value = hidden + residual if isinstance(residual, torch.Tensor) else hidden
+    return value.detach().clone()
+
+
+@contextlib.contextmanager
+def _record_stream(decoder: torch.nn.Module, ids: tuple[int, ...]) -> Iterator[dict[int, torch.Tensor]]:
+    """Hooks recording the residual stream at ``ids`` while the reference runs (cloned: vLLM's fused
+    add-norms update their inputs in place)."""
+    layers = _layers(decoder)
+    n = len(layers)
+    seen: dict[int, torch.Tensor] = {}
+    handles = []
+
+    def before(layer_id: int) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+            hidden = bound.get("hidden_states", bound.get("x"))
+            if hidden is None:
+                raise RuntimeError(f"{type(module).__name__}.forward has no `hidden_states` argument")
+            seen[layer_id] = _stream(hidden, bound.get("residual"))
+
+        return hook
+
+    def after(module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if isinstance(out, tuple):
+            seen[n] = _stream(out[0], out[1] if len(out) > 1 else None)
+        else:
+            seen[n] = _stream(out, None)
+
+    for layer_id in ids:
+        if layer_id < n:
+            handles.append(layers[layer_id].register_forward_pre_hook(before(layer_id), with_kwargs=True))
+    if n in ids:
+        handles.append(layers[n - 1].register_forward_hook(after))
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _aux_of(out: Any, what: str) -> list[torch.Tensor]:
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (list, tuple)):
+        return [t.detach().clone() for t in out[1]]
+    raise AuxCheckError(f"no aux states returned by {what} (forward returned {type(out).__name__})")
+
+
+class AuxCheckError(Exception):
+    """A numerical or contract check failed; the message says which and by how much."""
+
+
+def _compare(got: list[torch.Tensor], want: dict[int, torch.Tensor], ids: tuple[int, ...], where: str) -> float:
+    if len(got) != len(ids):
+        raise AuxCheckError(f"{where}: {len(got)} aux states returned for ids {list(ids)}")
+    worst, worst_id = 0.0, ids[0]
+    for layer_id, tensor in zip(ids, got):
+        ref = want[layer_id]
+        if tuple(tensor.shape) != tuple(ref.shape):
+            raise AuxCheckError(f"{where}: aux id {layer_id} has shape {tuple(tensor.shape)}, reference {tuple(ref.shape)}")
+        err = float((tensor.float() - ref.float()).abs().max())
+        if not err <= worst:  # NaN counts as worst
+            worst, worst_id = err, layer_id
+    if not worst <= ATOL:
+        raise AuxCheckError(f"{where}: aux id {worst_id} differs from the residual stream by {worst:.3g} (ids {list(ids)})")
+    return worst
+
+
+def check_pp1(job: Job) -> dict[str, Any]:
+    """PP=1: aux states of the model under test == the reference residual stream at the zoo ids.
+
+    Returns ``{"ok", "reason", "max_abs_err", "num_layers", "ids", "reference": {id: ndarray}}``.
+    """
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    tested_cls, reference_cls = _classes(job)
+    ref = build(reference_cls, job)
+    n = len(_layers(ref.decoder))
+    ids = tuple(range(n + 1))
+    with _record_stream(ref.decoder, ids) as stream:
+        _forward(ref)
+    missing = [i for i in ids if i not in stream]
+    if missing:
+        raise AuxCheckError(f"reference hooks saw no residual stream at ids {missing}")
+    from vllm.distributed.utils import get_pp_indices
+
+    check_ids = zoo_ids(n, get_pp_indices(n, 1, 2)[0])
+    result: dict[str, Any] = {
+        "num_layers": n, "ids": list(check_ids), "reference": {i: stream[i].numpy() for i in ids},
+    }
+    tested = build(tested_cls, job)
+    if not supports_eagle3(tested.model):
+        raise AuxCheckError(f"supports_eagle3({job.causal_lm}) is False: vLLM refuses EAGLE3 for it")
+    decoder_cls = type(tested.decoder)
+    if decoder_cls.__dict__.get("supports_aux_hidden_states_over_pp") is not True:
+        raise AuxCheckError(
+            f"{decoder_cls.__name__} does not set supports_aux_hidden_states_over_pp = True on itself"
+        )
+    tested.model.set_aux_hidden_state_layers(check_ids)
+    got = _aux_of(_forward(tested), f"{job.causal_lm} at PP=1")
+    result["max_abs_err"] = _compare(got, stream, check_ids, "PP=1")
+    return result
+
+
+def run_stage(job: Job, ids: tuple[int, ...], received: dict[str, Any] | None) -> dict[str, Any]:
+    """This rank's stage of the model under test on the zoo input.
+
+    Rank 0 returns ``{"start", "end", "keys": [every key it sends, in order], "tensors": {key: ndarray}}``;
+    a later rank takes rank 0's tensors as ``received`` and returns ``{"start", "end", "aux": [ndarray]}``.
+    """
+    from vllm.distributed.parallel_state import get_pp_group
+    from vllm.sequence import IntermediateTensors
+
+    tested_cls, _ = _classes(job)
+    built = build(tested_cls, job)
+    built.model.set_aux_hidden_state_layers(ids)
+    start, end = int(built.decoder.start_layer), int(built.decoder.end_layer)
+    pp = get_pp_group()
+    if pp.is_first_rank:
+        out = _forward(built)
+        if not isinstance(out, IntermediateTensors):
+            raise AuxCheckError(f"rank 0 returned {type(out).__name__}, not IntermediateTensors")
+        tensors = dict(out.tensors)
+        return {"start": start, "end": end, "keys": list(tensors),
+                "tensors": {k: v.detach().clone().numpy() for k, v in tensors.items()}}
+    assert received is not None
+    inter = IntermediateTensors({k: torch.from_numpy(v) for k, v in received.items()})
+    got = _aux_of(_forward(built, inter), f"{job.causal_lm} on the last PP rank")
+    return {"start": start, "end": end, "aux": [t.numpy() for t in got]}
+
+
+# -------------------------------------------------------------------------------------- serving
+def serve(conn: Any, world_size: int, rank: int, init_method: str) -> None:
+    """Worker loop: join the process groups, then answer ``(kind, args)`` requests on ``conn`` until
+    ``None``. Each request answers ``("ok", result)`` or ``("error", one-line reason)``."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # vLLM logs on stdout and stderr; the parent's progress bar owns the terminal
+    os.dup2(devnull, 2)
+    init_rank(world_size, rank, init_method)
+    conn.send(("ready", None))
+    while True:
+        request = conn.recv()
+        if request is None:
+            return
+        kind, args = request
+        try:
+            if kind == "pp1":
+                answer = check_pp1(*args)
+            elif kind == "stage":
+                answer = run_stage(*args)
+            else:
+                raise ValueError(f"unknown request {kind!r}")
+            conn.send(("ok", answer))
+        except AuxCheckError as exc:
+            conn.send(("mismatch", str(exc)))
+        except Exception as exc:  # noqa: BLE001 - every failure of one model is that model's reason
+            conn.send(("error", _one_line(exc)))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:400]}"

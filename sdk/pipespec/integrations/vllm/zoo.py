@@ -1,0 +1,332 @@
+"""``pipespec zoo --engine vllm``: every PP decoder of the installed vLLM, adapted and checked inside vLLM.
+
+1. Enumerate: every ``.py`` under the installed ``vllm/model_executor/models/`` and ``vllm/models/``
+   goes through ``adapt_vllm_module`` (the codemod finds the PP decoders; files without one are not
+   decoders). Each decoder is ``adapted``, ``unchanged`` (already PP-correct) or ``declined``.
+2. Map each decoder's ``*ForCausalLM`` to an architecture name through vLLM's registry.
+3. Check (``pipespec.integrations.vllm.harness``): one PP=1 worker and one PP=2 pair of processes (vLLM's
+   own process groups over gloo on 127.0.0.1) stay alive and every model streams through them, each with
+   a timeout; a worker that dies or hangs is restarted. PP=1: aux states == the unadapted model's
+   residual stream. PP=2: rank 0 sends exactly the keys ``pipespec.layout.plan_layout`` says for stage 0,
+   and rank 1, fed rank 0's tensors, returns aux states equal to the PP=1 reference.
+4. Classify: ``verified`` (adapted, both checks pass), ``supported`` (unchanged and both pass),
+   ``declined`` (the codemod's reason), ``failed`` (the exception or the mismatch, never hidden).
+
+Imports vLLM (lives in ``pipespec.integrations.vllm``); nothing outside that package may import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import multiprocessing
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from pipespec.integrations.vllm.harness import ATOL, AUX_PREFIX, Job, serve
+
+__all__ = ["FLAG_CLASSES", "STATUSES", "ZooResult", "decoder_files", "inherited_flag_verdicts", "run_vllm_zoo"]
+
+STATUSES = ("verified", "supported", "declined", "failed")
+#: Seconds one model may take in one worker request before the worker is restarted.
+REQUEST_TIMEOUT_S = 90.0
+START_TIMEOUT_S = 180.0
+#: The inherited-flag classes of issue 14, judged by ``pipespec.integrations.vllm.support``.
+FLAG_CLASSES = (
+    ("vllm.model_executor.models.qwen3_vl", "Qwen3LLMModel"),
+    ("vllm.model_executor.models.moss_audio", "MossQwen3Model"),
+    ("vllm.model_executor.models.mistral", "MistralModel"),
+    ("vllm.model_executor.models.mimo", "MiMoModel"),
+)
+
+
+@dataclasses.dataclass
+class ZooResult:
+    """One decoder's row: DESIGN.md's ``{"file", "class", "status", "reason"}`` plus the measurements."""
+
+    file: str
+    class_name: str
+    status: str
+    reason: str
+    codemod: str = ""  # adapted | unchanged | declined
+    causal_lm: str = ""
+    architecture: str = ""
+    aux_layers: tuple[int, ...] = ()
+    num_layers: int | None = None
+    max_abs_err_pp1: float | None = None
+    max_abs_err_pp2: float | None = None
+    sends_stage0: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file, "class": self.class_name, "status": self.status, "reason": self.reason,
+            "codemod": self.codemod, "causal_lm": self.causal_lm, "architecture": self.architecture,
+            "aux_layers": list(self.aux_layers), "num_layers": self.num_layers,
+            "max_abs_err_pp1": self.max_abs_err_pp1, "max_abs_err_pp2": self.max_abs_err_pp2,
+            "sends_stage0": list(self.sends_stage0),
+        }
+
+
+def vllm_root() -> str:
+    import vllm
+
+    return os.path.dirname(os.path.abspath(vllm.__file__))
+
+
+def decoder_files(only: Sequence[str] | None = None) -> list[str]:
+    """Model files (relative to the vllm package) that may hold a PP decoder, sorted.
+
+    ``only`` keeps the files whose relative path or base name is listed.
+    """
+    root = vllm_root()
+    found = []
+    for sub in ("model_executor/models", "models"):
+        for path in glob.glob(os.path.join(root, sub, "**", "*.py"), recursive=True):
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            if "intermediate_tensors" in text and "class " in text:
+                found.append(rel)
+    found.sort()
+    if only is not None:
+        wanted = set(only)
+        found = [f for f in found if f in wanted or os.path.basename(f) in wanted]
+    return found
+
+
+def module_of(rel: str) -> str:
+    return "vllm." + rel.removesuffix(".py").replace("/", ".")
+
+
+def _architecture(module: str, class_name: str) -> str | None:
+    """The registry name that builds ``module.class_name``; the registry may name the package that
+    re-exports the class (``vllm.models.hy_v4`` for ``vllm.models.hy_v4.nvidia.model``)."""
+    from pipespec.integrations.vllm.tiny import _registry
+
+    exact = _registry().get((module, class_name))
+    if exact:
+        return exact[0]
+    for (mod, cls), archs in _registry().items():
+        if cls == class_name and module.startswith(mod + "."):
+            return archs[0]
+    return None
+
+
+def _registered_classes(module: str) -> list[str]:
+    from pipespec.integrations.vllm.tiny import _registry
+
+    return [cls for (mod, cls) in _registry() if mod == module]
+
+
+# ------------------------------------------------------------------------------------- workers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Pool:
+    """The PP=1 worker and the PP=2 pair; ``ask`` sends one request and waits at most the timeout."""
+
+    def __init__(self) -> None:
+        self.ctx = multiprocessing.get_context("spawn")
+        self.workers: dict[str, tuple[Any, Any]] = {}
+        self.start("pp1")
+        self.start("pp2")
+
+    def start(self, group: str) -> None:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        ranks = ["pp1"] if group == "pp1" else ["pp2-0", "pp2-1"]
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        for rank, name in enumerate(ranks):
+            parent, child = self.ctx.Pipe()
+            proc = self.ctx.Process(target=serve, args=(child, len(ranks), rank, init), daemon=True, name=f"zoo-{name}")
+            proc.start()
+            child.close()
+            self.workers[name] = (proc, parent)
+
+    def _ready(self, name: str) -> None:
+        proc, conn = self.workers[name]
+        if getattr(proc, "_zoo_ready", False):
+            return
+        if not conn.poll(START_TIMEOUT_S):
+            raise RuntimeError(f"worker {name} did not start within {START_TIMEOUT_S:.0f} s")
+        kind, _ = conn.recv()
+        if kind != "ready":
+            raise RuntimeError(f"worker {name} answered {kind!r} at start")
+        proc._zoo_ready = True  # noqa: SLF001 - a flag on our own process object
+
+    def ask(self, name: str, request: tuple[str, tuple[Any, ...]]) -> tuple[str, Any]:
+        try:
+            self._ready(name)
+            proc, conn = self.workers[name]
+            conn.send(request)
+            if conn.poll(REQUEST_TIMEOUT_S):
+                return conn.recv()  # type: ignore[no-any-return]
+            reason = f"timed out after {REQUEST_TIMEOUT_S:.0f} s"
+        except (EOFError, OSError, RuntimeError) as exc:
+            reason = f"worker died ({type(exc).__name__}: {exc})"
+        self.restart("pp1" if name == "pp1" else "pp2")
+        return "error", f"{name} worker {reason}; restarted it"
+
+    def restart(self, group: str) -> None:
+        names = ["pp1"] if group == "pp1" else ["pp2-0", "pp2-1"]
+        for name in names:
+            proc, conn = self.workers.pop(name)
+            proc.kill()
+            proc.join(10)
+            conn.close()
+        self.start(group)
+
+    def close(self) -> None:
+        for _proc, conn in self.workers.values():
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc, conn in self.workers.values():
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+            conn.close()
+        self.workers.clear()
+
+
+# --------------------------------------------------------------------------------------- checks
+def _check(pool: _Pool, job: Job, row: ZooResult) -> None:
+    """Fill ``row`` from the PP=1 and PP=2 checks of ``job``."""
+    from pipespec.layout import plan_layout
+
+    kind, answer = pool.ask("pp1", ("pp1", (job,)))
+    if kind != "ok":
+        row.status, row.reason = "failed", f"PP=1: {answer}"
+        return
+    n, ids, reference = answer["num_layers"], tuple(answer["ids"]), answer["reference"]
+    row.num_layers, row.aux_layers, row.max_abs_err_pp1 = n, ids, answer["max_abs_err"]
+    plan = plan_layout(n, 2, ids)
+    kind, first = pool.ask("pp2-0", ("stage", (job, ids, None)))
+    if kind != "ok":
+        row.status, row.reason = "failed", f"PP=2 rank 0: {first}"
+        return
+    stage0 = plan.stage(0)
+    if (first["start"], first["end"]) != (stage0.start_layer, stage0.end_layer):
+        row.status = "failed"
+        row.reason = (f"PP=2 rank 0 owns layers [{first['start']}, {first['end']}), the layout plan says "
+                      f"[{stage0.start_layer}, {stage0.end_layer})")
+        return
+    sent = tuple(k for k in first["keys"] if k.startswith(AUX_PREFIX))
+    row.sends_stage0 = sent
+    if sent != tuple(stage0.sends):
+        row.status = "failed"
+        row.reason = f"PP=2 rank 0 sends aux keys {list(sent)}, the layout plan says {list(stage0.sends)} (ids {list(ids)})"
+        return
+    kind, last = pool.ask("pp2-1", ("stage", (job, ids, first["tensors"])))
+    if kind != "ok":
+        row.status, row.reason = "failed", f"PP=2 rank 1: {last}"
+        return
+    got = last["aux"]
+    if len(got) != len(ids):
+        row.status, row.reason = "failed", f"PP=2 rank 1 returned {len(got)} aux states for ids {list(ids)}"
+        return
+    errs = [float(np.abs(g - reference[i]).max()) if g.shape == reference[i].shape else float("inf")
+            for i, g in zip(ids, got)]
+    worst = max(range(len(ids)), key=lambda k: errs[k] if errs[k] == errs[k] else float("inf"))
+    row.max_abs_err_pp2 = errs[worst]
+    if not errs[worst] <= ATOL:
+        row.status = "failed"
+        row.reason = f"PP=2: aux id {ids[worst]} differs from the PP=1 residual stream by {errs[worst]:.3g} (ids {list(ids)})"
+        return
+    row.status = "verified" if job.code is not None else "supported"
+    row.reason = (f"PP=1 and PP=2 aux states equal the residual stream at ids {list(ids)}; "
+                  f"rank 0 sends {', '.join(sent) or 'no aux keys'}")
+
+
+def _jobs_for(rel: str, outcome: Any, code: str | None) -> tuple[Job | None, str]:
+    """The job checking ``outcome``'s decoder, or None and the reason none can be built."""
+    module = module_of(rel)
+    holders = list(outcome.causal_lm) or _registered_classes(module)
+    for holder in holders:
+        arch = _architecture(module, holder)
+        if arch is not None:
+            return Job(file=rel, module=module, decoder=outcome.class_name, causal_lm=holder, architecture=arch,
+                       decoder_attr=outcome.decoder_attr or "model", code=code), ""
+    named = ", ".join(holders) or "none"
+    return None, (f"no architecture in vLLM's registry builds a class holding {outcome.class_name} "
+                  f"(holders in {rel}: {named}), so vLLM cannot build it by name")
+
+
+def adapt_files(files: Sequence[str], progress: Callable[[str], None] | None = None) -> list[tuple[str, Any, str | None]]:
+    """(file, decoder outcome, adapted code or None) for every PP decoder in ``files``."""
+    from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
+    from pipespec.errors import UsageError
+
+    root = vllm_root()
+    out: list[tuple[str, Any, str | None]] = []
+    for rel in files:
+        if progress is not None:
+            progress(rel)
+        with open(os.path.join(root, rel), encoding="utf-8") as f:
+            code = f.read()
+        try:
+            adaptation = adapt_vllm_module(code, label=rel)
+        except UsageError:
+            continue  # no PP decoder in this file
+        for outcome in adaptation.decoders:
+            adapted = adaptation.code if outcome.status == "adapted" and adaptation.code != code else None
+            out.append((rel, outcome, adapted))
+    return out
+
+
+def run_vllm_zoo(files: Sequence[str], progress: Any | None = None) -> list[ZooResult]:
+    """Adapt and check every PP decoder in ``files`` (see the module docstring)."""
+    pool = _Pool()  # workers import vLLM while the codemod runs
+    try:
+        decoders = adapt_files(files, None if progress is None else progress.adapting)
+        if progress is not None:
+            progress.start(len(decoders))
+        results = []
+        for rel, outcome, code in decoders:
+            row = ZooResult(file=rel, class_name=outcome.class_name, status="failed", reason="", codemod=outcome.status)
+            if outcome.status == "declined":
+                row.status, row.reason = "declined", outcome.reason
+            elif outcome.status == "adapted" and code is None:
+                row.reason = "the codemod says adapted but returned the source unchanged"
+            else:
+                job, why = _jobs_for(rel, outcome, code)
+                if job is None:
+                    row.reason = why
+                else:
+                    row.causal_lm, row.architecture = job.causal_lm, job.architecture
+                    _check(pool, job, row)
+            results.append(row)
+            if progress is not None:
+                progress.done(row)
+        return results
+    finally:
+        pool.close()
+
+
+def inherited_flag_verdicts() -> list[dict[str, Any]]:
+    """``judge_vllm_class`` on issue 14's four inherited-flag classes (PP = 2)."""
+    import importlib
+
+    from pipespec.integrations.vllm.support import judge_vllm_class
+
+    rows = []
+    for module, name in FLAG_CLASSES:
+        try:
+            cls = getattr(importlib.import_module(module), name)
+            verdict = judge_vllm_class(cls, pp=2)
+            rows.append({"module": module, "class": name, "supported": verdict.supported,
+                         "opted_out": verdict.opted_out, "message": verdict.message()})
+        except Exception as exc:  # noqa: BLE001 - a verdict that cannot be reached is reported as such
+            rows.append({"module": module, "class": name, "supported": None, "opted_out": False,
+                         "message": f"could not judge: {type(exc).__name__}: {exc}"})
+    return rows
