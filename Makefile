@@ -56,6 +56,9 @@ test-vllm: $(VSTAMP)
 zoo: $(STAMP)
 	$(BIN)/pipespec zoo --write-coverage docs/coverage.md
 
+zoo-vllm: $(VSTAMP)
+	$(VBIN)/pipespec zoo --engine vllm --write-coverage docs/coverage-vllm.md
+
 bench: $(STAMP)
 	$(BIN)/pipespec bench all --quick
 

@@ -5,6 +5,10 @@ P in-process stages (default P = 1, 2, 3; uneven partitions), compare with the u
 ``pipespec.zoo.runner``). Prints a table (``--json``: the list DESIGN.md specifies) and, with
 ``--write-coverage FILE``, writes the markdown coverage report (``make zoo`` writes docs/coverage.md).
 Exit status 1 when any type ``failed``: an adaptation that ran but disagreed is a bug.
+
+``--engine vllm`` checks vLLM-native adaptation instead: every PP decoder of the installed vLLM, adapted
+by ``adapt_vllm_module`` and checked inside vLLM at PP=1 and PP=2 (``pipespec.integrations.vllm.zoo``;
+vLLM is imported only then, so this module stays importable without it).
 """
 
 from __future__ import annotations
@@ -22,10 +26,20 @@ from typing import Any, TextIO
 from pipespec.cli.args import int_list, positive_int
 from pipespec.errors import UsageError
 
-HELP = "verify adaptation over every causal-LM type of the installed transformers (tiny models, P=1,2,3)"
+HELP = "verify adaptation over every causal-LM type of the installed transformers (or vLLM: --engine vllm)"
+ENGINES = ("transformers", "vllm")
+NEEDS_VLLM = "pipespec zoo --engine vllm needs vLLM >= 0.32 installed; run it in .venv-vllm (make venv-vllm)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine", choices=ENGINES, default="transformers",
+        help="transformers (default): HF modeling code; vllm: every PP decoder of the installed vLLM, checked inside vLLM",
+    )
+    parser.add_argument(
+        "--files", metavar="A.py,B.py",
+        help="--engine vllm only: these model files (paths under the vllm package or base names; default: all)",
+    )
     parser.add_argument("--model-types", metavar="A,B", help="only these model types (default: every causal-LM type installed)")
     parser.add_argument("--pp", type=int_list, default=[1, 2, 3], metavar="1,2,3", help="pipeline sizes to check (default 1,2,3)")
     parser.add_argument("--json", action="store_true", help='print [{"model_type", "status", "reason", "max_abs_err"}, ...]')
@@ -201,6 +215,10 @@ def coverage_markdown(results: Sequence[Any], meta: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        return _run_vllm(args)
+    if args.files is not None:
+        raise UsageError("--files is for --engine vllm; with the transformers engine use --model-types")
     types = _model_types(args.model_types)
     pp = _pp_sizes(args.pp)
     if args.decode_steps < 0:
@@ -242,3 +260,111 @@ def run(args: argparse.Namespace) -> int:
         write_atomic(args.write_coverage, coverage_markdown(results, meta))
         print(f"wrote {args.write_coverage}", file=sys.stderr)
     return 1 if any(r.status == "failed" for r in results) else 0
+
+
+# ------------------------------------------------------------------------------------ --engine vllm
+def _require_vllm() -> str:
+    """vLLM's version, or a UsageError with the one line that says where to run this."""
+    try:
+        import vllm
+        from vllm.model_executor.models.interfaces import EagleModelMixin
+    except ImportError:
+        raise UsageError(NEEDS_VLLM) from None
+    if not hasattr(EagleModelMixin, "pack_local_aux_hidden_states"):
+        raise UsageError(f"{NEEDS_VLLM} (found vLLM {vllm.__version__} without EagleModelMixin.pack_local_aux_hidden_states)")
+    return str(vllm.__version__)
+
+
+def _vllm_files(text: str | None) -> list[str]:
+    from pipespec.integrations.vllm.zoo import decoder_files
+
+    every = decoder_files()
+    if text is None:
+        return every
+    wanted = [t.strip() for t in text.split(",") if t.strip()]
+    if not wanted:
+        raise UsageError("--files is empty: give comma-separated vLLM model files such as llama.py,qwen2.py")
+    known = set(every) | {os.path.basename(f) for f in every}
+    unknown = [w for w in wanted if w not in known]
+    if unknown:
+        raise UsageError(
+            f"--files {unknown[0]!r}: not a model file of the installed vLLM with intermediate_tensors "
+            "(give a path under the vllm package such as model_executor/models/llama.py, or a base name such as llama.py)"
+        )
+    return decoder_files(wanted)
+
+
+class _VllmProgress:
+    """tqdm bars on stderr: the codemod over the files, then the checks per decoder."""
+
+    def __init__(self, files: int) -> None:
+        from tqdm import tqdm
+
+        self._tqdm = tqdm
+        self.bar = tqdm(total=files, desc="adapting", unit="file", file=sys.stderr, leave=False)
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def adapting(self, rel: str) -> None:
+        self.bar.set_postfix_str(rel.rsplit("/", 1)[-1], refresh=False)
+        self.bar.update(1)
+
+    def start(self, decoders: int) -> None:
+        self.bar.close()
+        self.bar = self._tqdm(total=decoders, desc="checking", unit="decoder", file=sys.stderr)
+
+    def done(self, row: Any) -> None:
+        self.counts[row.status] += 1
+        self.bar.set_postfix_str(" ".join(f"{k} {v}" for k, v in sorted(self.counts.items())), refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _run_vllm(args: argparse.Namespace) -> int:
+    version = _require_vllm()
+    files = _vllm_files(args.files)
+    import torch
+    import transformers
+
+    from pipespec.integrations.vllm.zoo import coverage_markdown, inherited_flag_verdicts, run_vllm_zoo
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    progress = _VllmProgress(len(files))
+    wall = time.perf_counter()
+    try:
+        results = run_vllm_zoo(files, progress=progress)
+    finally:
+        progress.close()
+    wall = time.perf_counter() - wall
+    verdicts = inherited_flag_verdicts()
+    if args.json:
+        print(json.dumps([r.to_json() for r in results]))
+    else:
+        print(_vllm_table(results))
+        print(f"{wall:.1f} s wall")
+    if args.write_coverage:
+        from pipespec.codegen import write_atomic
+
+        command = "pipespec zoo --engine vllm --write-coverage " + args.write_coverage
+        if args.files:
+            command += f" --files {args.files}"
+        meta = {
+            "command": command, "vllm": version, "torch": torch.__version__, "transformers": transformers.__version__,
+            "date": datetime.date.today().isoformat(), "wall_s": wall, "load": load, "cpus": os.cpu_count(),
+        }
+        write_atomic(args.write_coverage, coverage_markdown(results, verdicts, meta))
+        print(f"wrote {args.write_coverage}", file=sys.stderr)
+    return 1 if any(r.status == "failed" for r in results) else 0
+
+
+def _vllm_table(results: Sequence[Any]) -> str:
+    rows = [("file", "decoder", "status", "reason")]
+    for r in results:
+        reason = r.reason if len(r.reason) <= 110 else r.reason[:107] + "..."
+        rows.append((r.file, r.class_name, r.status, reason))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
+    counts = collections.Counter(r.status for r in results)
+    lines.append(f"{len(results)} decoders: " + ", ".join(f"{counts[s]} {s}" for s in ("verified", "supported", "declined", "failed")))
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,130 @@
+"""The vLLM zoo's harness and CLI against the real vLLM CPU build (real classes, real processes, no mocks).
+
+One module-wide pool (a PP=1 worker and a PP=2 pair in vLLM's own gloo process groups) serves the
+harness tests; the CLI tests run the installed ``pipespec`` in subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
+from pipespec.integrations.vllm.harness import Job
+from pipespec.integrations.vllm.zoo import STATUSES, ZooResult, _check, _Pool, vllm_root
+from pipespec.layout import plan_layout
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_PIPESPEC = Path(sys.executable).with_name("pipespec")
+CORE_PYTHON = REPO / ".venv" / "bin" / "python"
+MODELS = "vllm.model_executor.models"
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[_Pool]:
+    p = _Pool()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _job(stem: str, causal_lm: str, code: str | None) -> Job:
+    return Job(file=f"model_executor/models/{stem}.py", module=f"{MODELS}.{stem}", decoder="", causal_lm=causal_lm,
+               architecture=causal_lm, code=code)
+
+
+def _source(stem: str) -> str:
+    return (Path(vllm_root()) / "model_executor" / "models" / f"{stem}.py").read_text(encoding="utf-8")
+
+
+def _row(job: Job) -> ZooResult:
+    return ZooResult(file=job.file, class_name=job.causal_lm, status="failed", reason="")
+
+
+@pytest.mark.timeout(240)
+def test_llama_as_shipped_is_supported_at_pp1_and_pp2(pool: _Pool) -> None:
+    """vLLM's own llama.py packs the planned keys at PP=2 and its aux states equal the residual stream."""
+    row = _row(_job("llama", "LlamaForCausalLM", None))
+    _check(pool, _job("llama", "LlamaForCausalLM", None), row)
+    assert row.status == "supported", row.reason
+    assert row.num_layers == 6 and row.aux_layers == (0, 3, 4, 6)
+    assert row.sends_stage0 == tuple(plan_layout(6, 2, (0, 3, 4, 6)).stage(0).sends) == (
+        "aux_hidden_states_0", "aux_hidden_states_1")
+    assert row.max_abs_err_pp1 is not None and row.max_abs_err_pp1 <= 1e-5
+    assert row.max_abs_err_pp2 is not None and row.max_abs_err_pp2 <= 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_decoder_shipped_without_aux_support_fails_pp1(pool: _Pool) -> None:
+    """gemma.py as vLLM ships it returns no aux states: the check fails instead of passing vacuously."""
+    row = _row(_job("gemma", "GemmaForCausalLM", None))
+    _check(pool, _job("gemma", "GemmaForCausalLM", None), row)
+    assert row.status == "failed"
+    assert row.reason.startswith("PP=1: no aux states returned by GemmaForCausalLM at PP=1"), row.reason
+
+
+@pytest.mark.timeout(240)
+def test_capture_at_idx_instead_of_idx_plus_one_is_a_numerical_mismatch(pool: _Pool) -> None:
+    """The right classes with each layer's capture one id early: PP=1 reports the id and the difference."""
+    adapted = adapt_vllm_module(_source("gemma"), label="gemma.py").code
+    capture = "self._maybe_add_hidden_state(aux_hidden_states, idx + 1, hidden_states, residual)"
+    assert adapted.count(capture) == 1
+    broken = adapted.replace(capture, capture.replace("idx + 1", "idx"))
+    good_row, bad_row = _row(_job("gemma", "GemmaForCausalLM", adapted)), _row(_job("gemma", "GemmaForCausalLM", broken))
+    _check(pool, _job("gemma", "GemmaForCausalLM", adapted), good_row)
+    _check(pool, _job("gemma", "GemmaForCausalLM", broken), bad_row)
+    assert good_row.status == "verified", good_row.reason
+    assert bad_row.status == "failed"
+    assert "PP=1: aux id" in bad_row.reason and "differs from the residual stream by" in bad_row.reason, bad_row.reason
+
+
+def _cli(*args: str, python: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    cmd = [str(python), "-m", "pipespec.cli"] if python is not None else [str(VENV_PIPESPEC)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([*cmd, "zoo", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+@pytest.mark.timeout(300)
+def test_cli_json_on_a_file_subset(tmp_path: Path) -> None:
+    """`--files llama.py,mimo.py --json`: one row per decoder with DESIGN.md's fields; the report is written."""
+    report = tmp_path / "coverage-vllm.md"
+    done = _cli("--engine", "vllm", "--files", "llama.py,mimo.py", "--json", "--write-coverage", str(report))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout)
+    assert [(r["file"], r["class"]) for r in rows] == [
+        ("model_executor/models/llama.py", "LlamaModel"), ("model_executor/models/mimo.py", "MiMoModel")]
+    for r in rows:
+        assert {"file", "class", "status", "reason"} <= set(r) and r["status"] in STATUSES and r["reason"]
+    assert [r["status"] for r in rows] == ["supported", "declined"]
+    text = report.read_text(encoding="utf-8")
+    assert "pipespec zoo --engine vllm" in text and "| supported | 1 |" in text and "MistralModel" in text
+
+
+@pytest.mark.timeout(120)
+def test_cli_unknown_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """A --files entry that is not a vLLM model file: exit 2, one line naming it, no report written."""
+    report = tmp_path / "r.md"
+    done = _cli("--engine", "vllm", "--files", "llama.py,no_such_model.py", "--write-coverage", str(report))
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'no_such_model.py'" in lines[0], done.stderr
+    assert not report.exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not CORE_PYTHON.exists(), reason="needs the core .venv (make venv) to run without vLLM")
+def test_cli_without_vllm_says_where_to_run_it() -> None:
+    """In .venv (no vLLM) the command prints the one line pointing at .venv-vllm and exits 2."""
+    done = _cli("--engine", "vllm", "--json", python=CORE_PYTHON)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "pipespec: error: pipespec zoo --engine vllm needs vLLM >= 0.32 installed; run it in .venv-vllm (make venv-vllm)"
+    )
+    assert done.stdout == ""
