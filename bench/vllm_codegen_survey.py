@@ -53,7 +53,8 @@ def survey(vllm_dir: Path, import_check: bool = False) -> dict[str, object]:
                          "import": imported if d.status == "adapted" else None})
     counts = Counter(str(r["status"]) for r in rows)
     return {"decoders": len(rows), "counts": dict(counts), "files_without_pp_decoder": files_without, "rows": rows,
-            "import_failures": sum(1 for r in rows if r["import"] not in (None, "ok"))}
+            "import_failures": sum(1 for r in rows if r["import"] not in (None, "ok") and not str(r["import"]).startswith("env:")),
+            "import_env_failures": sum(1 for r in rows if str(r["import"]).startswith("env:"))}
 
 
 def import_adapted(path: Path, code: str, vllm_dir: Path) -> str:
@@ -67,13 +68,19 @@ def import_adapted(path: Path, code: str, vllm_dir: Path) -> str:
     out.write_text(code, encoding="utf-8")
     try:
         importlib.import_module(f"{package}.{out.stem}")
-        return "ok"
     except Exception as exc:  # report, keep surveying
-        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        return last[:300]
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()[:300]
+    else:
+        return "ok"
     finally:
         out.unlink()
         sys.modules.pop(f"{package}.{out.stem}", None)
+    try:  # does the unadapted module import here? If not, the environment is missing something, not us
+        importlib.import_module(f"{package}.{path.stem}")
+    except Exception as exc:
+        original = traceback.format_exception_only(type(exc), exc)[-1].strip()[:300]
+        return f"env: the original does not import either ({original})"
+    return last
 
 
 def main() -> int:
@@ -94,7 +101,8 @@ def main() -> int:
         extra = f"  [import: {r['import']}]" if r["import"] not in (None, "ok") else ""
         print(f"{r['status']:9} {r['file']}:{r['class']}  {r['reason']}{extra}")
     print(f"PP decoders: {result['decoders']}  {result['counts']}  files without a PP decoder: "
-          f"{result['files_without_pp_decoder']}  import failures: {result['import_failures']}")
+          f"{result['files_without_pp_decoder']}  import failures: {result['import_failures']} "
+          f"(+{result['import_env_failures']} whose original does not import here either)")
     return 0
 
 

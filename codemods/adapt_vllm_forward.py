@@ -1,4 +1,7 @@
-"""Adapt a vLLM-style decoder stack so it captures, relays and collects aux hidden states over PP.
+"""The ``pipespec`` dialect: adapt a vLLM-style decoder stack for pipespec's own runtime (it captures,
+relays and collects aux hidden states over PP through ``pipespec.mixin.AuxHiddenStatesMixin``).
+
+Code for vLLM itself is the ``vllm`` dialect (``adapt_vllm_native``: vLLM's own EAGLE3-over-PP contract).
 
 Input shape (one class, named by the caller)::
 
@@ -179,7 +182,7 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
         cls = original_node
         if class_is_marked(cls):
             raise SkipFile(f"{ALREADY_ADAPTED}: {self.class_name} carries {MARKER} = True")
-        if self.spec is not None and self.spec.dialect != "vllm":
+        if self.spec is not None and self.spec.dialect != "pipespec":
             raise self._skip(cls, f"spec {self.spec.name} ({self.spec.source}) is for the {self.spec.dialect} dialect, "
                                   "not vLLM-style model code")
         if self.spec is not None and not self.spec.supported:

@@ -199,7 +199,7 @@ def draft_index(text: str) -> Callable[[Path], None]:
 
 
 def adapter_gen(*args: str) -> list[str]:
-    return ["adapter-gen", *args]
+    return ["adapter-gen", *args, "--dialect", "pipespec"]  # the vllm_style fixtures run on pipespec's runtime
 
 
 def source(env: Env, fixture: str, edit: Callable[[str], str] = lambda s: s) -> Path:
@@ -389,7 +389,7 @@ CASES = [
          after=file_untouched),
     Case("src-generated-file-edited", edited_generated_file, 1,
          r"generated\.py is not up to date with llama_residual\.py; regenerate it with `adapter-gen llama_residual\.py --class "
-         r"LlamaStyleModel --out generated\.py`", kind="stale"),
+         r"LlamaStyleModel --dialect pipespec --out generated\.py`", kind="stale"),
     Case("src-out-is-a-directory", lambda env: adapter_gen(str(source(env, "llama_residual.py")), "--class", "LlamaStyleModel",
                                                            "--out", str(env.tmp)), 1, r"writing failed \(Is a directory\)"),
     Case("src-unwritable-target", out_to_unwritable, 1, r"adapted\.py: cannot write there \(Permission denied\); nothing was changed"),

@@ -1,4 +1,5 @@
-"""The vLLM-dialect codemod: before/after, declines with their reasons, idempotency, golden fixtures, and
+"""The `pipespec` dialect (vLLM-style source run by pipespec's own runtime; formerly `--dialect vllm`):
+before/after, declines with their reasons, idempotency, golden fixtures, and
 numbers — adapted fixture models run as P = 1, 2, 3 in-process stages must hand the last stage exactly
 the aux states (and final hidden state) that the unadapted model computes in one piece.
 """
@@ -227,7 +228,7 @@ def test_missing_class_names_the_classes_present() -> None:
 
 
 def spec_for(**fields: object) -> AdapterSpec:
-    return AdapterSpec(name="toy", decoder_class="model:Model", dialect="vllm", **fields)  # type: ignore[arg-type]
+    return AdapterSpec(name="toy", decoder_class="model:Model", dialect="pipespec", **fields)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -281,14 +282,14 @@ DECLINED = {"decline_relative_index": ("ScaledModel", "the loop index `i` counts
 def test_fixture_output_matches_the_committed_golden_file(name: str) -> None:
     """`adapter-gen --check --out` regenerates each fixture and compares with expected/ byte for byte."""
     src, out = FIXTURES / f"{name}.py", FIXTURES / "expected" / f"{name}.py"
-    assert adapter_gen_main([str(src), "--class", GOLDEN[name], "--check", "--out", str(out)]) == 0
+    assert adapter_gen_main([str(src), "--class", GOLDEN[name], "--dialect", "pipespec", "--check", "--out", str(out)]) == 0
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
 def test_golden_output_is_already_adapted(name: str) -> None:
     """Idempotency on real files: adapting the adapted file is a no-op (status unchanged, same text)."""
     target = load_target(FIXTURES / "expected" / f"{name}.py", GOLDEN[name])
-    outcome = adapt_target(target)
+    outcome = adapt_target(target, "pipespec")
     assert (outcome.status, outcome.code) == ("unchanged", target.code)
     assert skip_reason(target.code, GOLDEN[name]).startswith(ALREADY_ADAPTED)
 
@@ -301,7 +302,7 @@ def test_hand_adapted_fixture_is_left_alone() -> None:
 @pytest.mark.parametrize("name", sorted(DECLINED))
 def test_declined_fixture_gives_its_reason(name: str) -> None:
     class_name, reason = DECLINED[name]
-    outcome = adapt_target(load_target(FIXTURES / f"{name}.py", class_name))
+    outcome = adapt_target(load_target(FIXTURES / f"{name}.py", class_name), "pipespec")
     assert outcome.status == "skipped" and reason in outcome.reason
 
 
@@ -320,7 +321,7 @@ def adapted_modules(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple
     out_dir = tmp_path_factory.mktemp("adapted")
     modules = {}
     for name, class_name in GOLDEN.items():
-        outcome = adapt_target(load_target(FIXTURES / f"{name}.py", class_name))
+        outcome = adapt_target(load_target(FIXTURES / f"{name}.py", class_name), "pipespec")
         assert outcome.status == "adapted", outcome.reason
         (out_dir / f"{name}.py").write_text(outcome.code)
         modules[name] = (load_module(FIXTURES / f"{name}.py", f"h3_original_{name}"),
@@ -423,7 +424,7 @@ def test_without_aux_ids_the_adapted_model_returns_what_the_original_does(adapte
 def test_boundary_rule_from_the_spec_is_enforced_by_the_generated_class(tmp_path):
     """Adapted with a reject-at-stage-end spec, the model refuses an id that ends a non-last stage."""
     spec = spec_for(residual=True, capture="hidden + residual", boundary_rule="reject-at-stage-end")
-    outcome = adapt_target(load_target(FIXTURES / "llama_residual.py", "LlamaStyleModel"), spec=spec)
+    outcome = adapt_target(load_target(FIXTURES / "llama_residual.py", "LlamaStyleModel"), "pipespec", spec=spec)
     (tmp_path / "kimi_like.py").write_text(outcome.code)
     module = load_module(tmp_path / "kimi_like.py", "h3_kimi_like")
     with toy_vllm.pp_group(0, 2):

@@ -5,9 +5,14 @@ One function per step, so the CLI, tests and other tools compose them:
 * ``load_target`` reads a file (or, for ``--hf MODEL_TYPE``, the installed transformers modeling module)
   and parses it — a syntax error is a ``UsageError`` naming file and line;
 * ``detect_dialect`` tells vLLM-style from HF-style code by the decoder's ``forward`` signature;
+* ``vllm_contract_source`` finds the vLLM a file is adapted for (the tree it sits in, else the importable
+  one, read as text and never imported) and refuses one older than 0.32 (no
+  ``EagleModelMixin.pack_local_aux_hidden_states``);
 * ``resolve_spec`` picks the adapter spec: ``--spec FILE``, else the registry, else inferred;
-* ``adapt_target`` runs the codemod (``AdaptVllmForwardCommand`` or ``AdaptHFStageForwardCommand``) and
-  stamps the module header naming source, spec and generator version;
+* ``adapt_target`` runs the dialect's codemod — ``vllm``: ``adapt_vllm_module`` (vLLM's own EAGLE3-over-PP
+  contract, every PP decoder of the file or the one named); ``pipespec``: ``AdaptVllmForwardCommand``
+  (vLLM-style source run by pipespec's own runtime); ``hf``: ``AdaptHFStageForwardCommand`` — and stamps
+  the module header naming source, spec and generator version;
 * ``unified_diff`` and ``write_atomic`` (temp file in the same directory + ``os.replace``: a failure
   leaves the original byte-identical) produce the output.
 
@@ -33,6 +38,7 @@ import libcst.matchers as m
 from libcst.codemod import CodemodContext, TransformFailure, TransformSkip, TransformSuccess, transform_module
 
 from pipespec import __version__
+from pipespec.codemods.adapt_vllm_native import DecoderOutcome
 from pipespec.errors import PipespecError, UsageError
 from pipespec.registry import Registry, default_registry
 from pipespec.spec import DIALECTS, AdapterSpec, load_spec, spec_from_mapping
@@ -56,7 +62,7 @@ class Target:
     label: str  # how headers and messages name the source (project-relative, or the installed module)
     code: str
     module: cst.Module
-    class_name: str
+    class_name: str | None  # None: every PP decoder of the file (vllm dialect only)
     module_name: str | None = None  # dotted module name when known (installed modules)
     package: str | None = None  # package of an installed module, to make its relative imports absolute
 
@@ -71,6 +77,7 @@ class Outcome:
     spec_label: str
     reason: str = ""
     warnings: list[str] = field(default_factory=list)
+    decoders: tuple[DecoderOutcome, ...] = ()  # vllm dialect: each PP decoder's outcome
 
 
 # --------------------------------------------------------------------------------- reading
@@ -127,13 +134,14 @@ def find_class(module: cst.Module, name: str, label: str) -> cst.ClassDef:
     raise UsageError(f"{label}: no top-level class {name!r} (classes here: {shown}); pass one of them to --class")
 
 
-def load_target(path: str | Path, class_name: str) -> Target:
-    """Read and parse ``path`` and check it defines ``class_name``."""
+def load_target(path: str | Path, class_name: str | None) -> Target:
+    """Read and parse ``path`` and check it defines ``class_name`` (``None``: every PP decoder, vllm dialect)."""
     path = Path(path)
     label = project_label(path)
     code = read_text(path)
     module = parse_source(code, label)
-    find_class(module, class_name, label)
+    if class_name is not None:
+        find_class(module, class_name, label)
     return Target(path=path, label=label, code=code, module=module, class_name=class_name)
 
 
@@ -179,6 +187,51 @@ def detect_dialect(node: cst.ClassDef) -> str:
     return "hf"
 
 
+def detect_module_dialect(module: cst.Module) -> str:
+    """``vllm`` when any top-level class has vLLM's forward signature, else ``hf``."""
+    tops = [s for s in module.body if isinstance(s, cst.ClassDef)]
+    return "vllm" if any(detect_dialect(c) == "vllm" for c in tops) else "hf"
+
+
+VLLM_CONTRACT = ("class EagleModelMixin", "def pack_local_aux_hidden_states")
+
+
+def _vllm_root_of(path: Path) -> Path | None:
+    for parent in path.resolve().parents:
+        if parent.name == "vllm" and (parent / "model_executor" / "models" / "interfaces.py").is_file():
+            return parent
+    return None
+
+
+def vllm_contract_source(path: Path | None) -> tuple[Path | None, str]:
+    """The vLLM the adapted code targets: the tree ``path`` sits in, else the importable ``vllm`` (found by
+    ``importlib.util.find_spec``, which does not run it). Returns (package dir or None, version text).
+
+    Raises ``UsageError`` when that vLLM predates 0.32's contract (its ``interfaces.py`` has no
+    ``EagleModelMixin.pack_local_aux_hidden_states``)."""
+    root = _vllm_root_of(path) if path is not None else None
+    if root is None:
+        found = importlib.util.find_spec("vllm")
+        places = [Path(p) for p in (found.submodule_search_locations or [])] if found is not None else []
+        real = [p for p in places if (p / "model_executor" / "models").is_dir()]  # not a namespace dir named vllm
+        if not real:
+            return None, ""
+        root = real[0]
+    interfaces = root / "model_executor" / "models" / "interfaces.py"
+    version_file = root / "_version.py"
+    version = ""
+    if version_file.is_file():
+        hit = re.search(r"__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)", version_file.read_text(encoding="utf-8"))
+        version = hit.group(1) if hit else ""
+    text = interfaces.read_text(encoding="utf-8") if interfaces.is_file() else ""
+    if not all(piece in text for piece in VLLM_CONTRACT):
+        shown = f"vLLM {version}" if version else "the vLLM"
+        raise UsageError(f"{shown} at {root} has no EagleModelMixin.pack_local_aux_hidden_states in "
+                         f"{interfaces.name}: the vllm dialect emits vLLM >= 0.32's EAGLE3-over-PP contract; "
+                         "upgrade vLLM to 0.32 or later (or use --dialect pipespec for pipespec's own runtime)")
+    return root, version
+
+
 def spec_label(spec: AdapterSpec | None) -> str:
     """How headers and messages name a spec: ``name (project-relative source)``."""
     if spec is None:
@@ -197,6 +250,8 @@ def resolve_spec(
     codemod reads everything it needs from the source)."""
     if spec_file is not None:
         return load_spec(spec_file)
+    if target.class_name is None:
+        return None
     registry = registry or default_registry()
     if target.module_name is not None:
         spec = registry.lookup(f"{target.module_name}:{target.class_name}")
@@ -220,18 +275,23 @@ def resolve_spec(
 
 # --------------------------------------------------------------------------------- adapting
 def adapt_target(target: Target, dialect: str | None = None, spec: AdapterSpec | None = None,
-                 regenerate: str | None = None) -> Outcome:
+                 regenerate: str | None = None, out: Path | None = None) -> Outcome:
     """Adapt ``target.class_name`` and stamp the header; never raises for a shape it cannot adapt."""
+    if dialect is not None and dialect not in DIALECTS:
+        raise UsageError(f"--dialect {dialect!r} is unknown: use one of {', '.join(DIALECTS)}")
+    if target.class_name is None or (dialect or detect_module_dialect(target.module)) == "vllm":
+        dialect = dialect or detect_module_dialect(target.module)
+        if dialect != "vllm":
+            raise UsageError(f"{target.label}: --class NAME is required for the {dialect} dialect (the decoder-stack class to adapt)")
+        return _adapt_vllm_native(target, spec, out)
     node = find_class(target.module, target.class_name, target.label)
     dialect = dialect or detect_dialect(node)
-    if dialect not in DIALECTS:
-        raise UsageError(f"--dialect {dialect!r} is unknown: use one of {', '.join(DIALECTS)}")
     label = spec_label(spec)
     if is_adapted(node):
         return Outcome("unchanged", target.code, dialect, label, reason=f"{target.class_name} is already adapted ({MARKER} = True)")
     source = f"{target.module_name or target.label}:{target.class_name}"
     context = CodemodContext(filename=str(target.path), full_module_name=target.module_name)
-    if dialect == "vllm":
+    if dialect == "pipespec":
         from pipespec.codemods.adapt_vllm_forward import GENERATOR, AdaptVllmForwardCommand
 
         command: object = AdaptVllmForwardCommand(context, target.class_name, spec, source=source)
@@ -260,6 +320,35 @@ def adapt_target(target: Target, dialect: str | None = None, spec: AdapterSpec |
     entry = (f"{target.class_name} <- {target.label} (dialect {dialect}, spec {label}, codemod {generator})",
              regenerate or f"adapter-gen {target.label.split(' ')[0]} --class {target.class_name} --out FILE")
     return Outcome("adapted", stamp_header(code, entry), dialect, label, warnings=warnings)
+
+
+def _adapt_vllm_native(target: Target, spec: AdapterSpec | None, out: Path | None = None) -> Outcome:
+    """The vllm dialect: every PP decoder of the file (or the one named), vLLM's own contract.
+
+    A file inside a vLLM tree written elsewhere (``out`` in another directory) gets absolute imports, so
+    the copy imports what the original did."""
+    from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
+
+    vllm_contract_source(target.path)
+    package = target.package
+    root = _vllm_root_of(target.path)
+    if package is None and root is not None and out is not None and out.resolve().parent != target.path.resolve().parent:
+        package = ".".join(target.path.resolve().parent.relative_to(root.parent).parts)
+    classes = None if target.class_name is None else [target.class_name]
+    result = adapt_vllm_module(target.code, label=target.label, classes=classes, spec=spec,
+                               absolute_imports=True if package is not None else None)
+    if package is not None and result.code != target.code:
+        result = type(result)(absolutize_imports(cst.parse_module(result.code), package).code, result.decoders)
+    label = spec_label(spec)
+    declined = [d for d in result.decoders if d.status == "declined"]
+    notes = [f"{d.class_name} declined: {d.reason}" for d in declined]
+    if any(d.status == "adapted" for d in result.decoders):
+        return Outcome("adapted", result.code, "vllm", label, warnings=notes, decoders=result.decoders)
+    if declined:
+        return Outcome("skipped", target.code, "vllm", label, reason="; ".join(notes), decoders=result.decoders)
+    names = ", ".join(d.class_name for d in result.decoders)
+    return Outcome("unchanged", target.code, "vllm", label, decoders=result.decoders,
+                   reason=f"{names} already follow{'s' if len(result.decoders) == 1 else ''} vLLM's EAGLE3-over-PP contract")
 
 
 class _Absolutize(cst.CSTTransformer):

@@ -24,7 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-DIALECTS = ("hf", "vllm")
+DIALECTS = ("hf", "vllm", "pipespec")  # pipespec: vLLM-style source run by pipespec's own runtime
 CAPTURES = ("hidden", "hidden + residual")
 DEFAULT_ID_RULES = ("eagle3",)
 

@@ -1,8 +1,13 @@
 """``adapter-gen`` (also ``pipespec adapter-gen``): adapt a model source file, or scaffold a new adapter.
 
-    adapter-gen FILE --class NAME [--dialect hf|vllm] [--spec FILE] [--diff | --out FILE | --in-place | --check]
+    adapter-gen FILE [--class NAME] [--dialect hf|vllm|pipespec] [--spec FILE] [--diff | --out FILE | --in-place | --check]
     adapter-gen --hf MODEL_TYPE [--class NAME] [--spec FILE] [--diff | --out FILE | --check]
     adapter-gen new MODEL_TYPE [--out-dir DIR] [--force]
+
+Dialects: ``vllm`` (detected for vLLM-style files) emits vLLM >= 0.32's own EAGLE3-over-PP contract, for
+every PP decoder of FILE or the one ``--class`` names (a decoder or its ``*ForCausalLM``); ``pipespec``
+emits vLLM-style source run by pipespec's own runtime (``AuxHiddenStatesMixin``); ``hf`` adapts
+transformers modeling code. ``--class`` is required for ``hf`` and ``pipespec``.
 
 Modes: ``--diff`` (default) prints a unified diff and writes nothing; ``--out FILE`` writes the adapted
 module there; ``--in-place`` rewrites FILE; ``--check`` exits 1 when FILE (or, with ``--out``, the
@@ -29,7 +34,7 @@ if TYPE_CHECKING:  # codegen imports libcst: loaded only when a command needs it
 HELP = "adapt a model's forward for aux hidden states over PP (vLLM-style or HF code), or scaffold a new adapter"
 PROG = "adapter-gen"
 USAGE = (
-    "adapter-gen FILE --class NAME [--dialect {hf,vllm}] [--spec FILE] [--diff | --out FILE | --in-place | --check]\n"
+    "adapter-gen FILE [--class NAME] [--dialect {hf,vllm,pipespec}] [--spec FILE] [--diff | --out FILE | --in-place | --check]\n"
     "       adapter-gen --hf MODEL_TYPE [--class NAME] [--spec FILE] [--diff | --out FILE | --check]\n"
     "       adapter-gen new MODEL_TYPE [--out-dir DIR] [--force]"
 )
@@ -40,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.usage = USAGE
     parser.epilog = EPILOG
     parser.add_argument("target", nargs="*", metavar="FILE | new MODEL_TYPE", help="model source file, or `new MODEL_TYPE`")
-    parser.add_argument("--class", dest="class_name", metavar="NAME", help="the decoder-stack class to adapt")
+    parser.add_argument("--class", dest="class_name", metavar="NAME",
+                        help="the decoder-stack class to adapt (vllm dialect: or its *ForCausalLM; default every PP decoder)")
     parser.add_argument("--hf", metavar="MODEL_TYPE", help="adapt the installed transformers modeling module of MODEL_TYPE")
     parser.add_argument("--dialect", choices=DIALECTS, help="source dialect (default: detected from the forward signature)")
     parser.add_argument("--spec", metavar="FILE", help="adapter spec TOML (default: registry lookup, else inferred)")
@@ -79,8 +85,8 @@ def _run_adapt(args: argparse.Namespace) -> int:
             raise _conflict("--hf", f"a source file ({args.target[0]})", "give either FILE --class NAME or --hf MODEL_TYPE")
         if args.in_place:
             raise UsageError("--in-place with --hf would rewrite the installed transformers: use --out FILE")
-        if args.dialect == "vllm":
-            raise UsageError("--dialect vllm with --hf: installed transformers modules are the hf dialect")
+        if args.dialect in ("vllm", "pipespec"):
+            raise UsageError(f"--dialect {args.dialect} with --hf: installed transformers modules are the hf dialect")
         target = codegen.load_hf_target(args.hf, args.class_name)
         dialect = "hf"
     else:
@@ -88,10 +94,14 @@ def _run_adapt(args: argparse.Namespace) -> int:
             raise UsageError("no source file: give FILE --class NAME, --hf MODEL_TYPE, or `new MODEL_TYPE` (see --help)")
         if len(args.target) > 1:
             raise UsageError(f"one source file at a time, got {len(args.target)}: {' '.join(args.target)}")
-        if not args.class_name:
-            raise UsageError(f"{args.target[0]}: --class NAME is required (the decoder-stack class to adapt)")
         target = codegen.load_target(args.target[0], args.class_name)
-        dialect = args.dialect or codegen.detect_dialect(codegen.find_class(target.module, target.class_name, target.label))
+        if target.class_name is None:
+            dialect = args.dialect or codegen.detect_module_dialect(target.module)
+            if dialect != "vllm":
+                raise UsageError(f"{args.target[0]}: --class NAME is required for the {dialect} dialect "
+                                 "(the decoder-stack class to adapt)")
+        else:
+            dialect = args.dialect or codegen.detect_module_dialect(target.module)
     if args.out is not None and not args.check:
         parent = Path(args.out).parent
         if not parent.is_dir():
@@ -101,7 +111,8 @@ def _run_adapt(args: argparse.Namespace) -> int:
         print(f"{PROG}: warning: spec {spec.name} ({spec.source}) is for the {spec.dialect} dialect; "
               f"the source is adapted as {dialect}", file=sys.stderr)
     write_to = Path(args.out) if args.out else (target.path if args.in_place else None)
-    outcome = codegen.adapt_target(target, dialect, spec, regenerate=_regenerate_command(args, target))
+    outcome = codegen.adapt_target(target, dialect, spec, regenerate=_regenerate_command(args, target),
+                                   out=Path(args.out) if args.out else None)
     for warning in outcome.warnings:
         print(f"{PROG}: warning: {target.label}: {warning}", file=sys.stderr)
 
@@ -119,8 +130,8 @@ def _run_adapt(args: argparse.Namespace) -> int:
                                               f"b/{target.label.split(' ')[0]}"))
         return 0
     codegen.write_atomic(write_to, outcome.code)
-    print(f"{PROG}: wrote {write_to} ({target.class_name}, {outcome.dialect} dialect, spec {outcome.spec_label})",
-          file=sys.stderr)
+    what = target.class_name or ", ".join(d.class_name for d in outcome.decoders if d.status == "adapted")
+    print(f"{PROG}: wrote {write_to} ({what}, {outcome.dialect} dialect, spec {outcome.spec_label})", file=sys.stderr)
     return 0
 
 
@@ -132,8 +143,8 @@ def _check(args: argparse.Namespace, target: Target, outcome: Outcome) -> int:
         if outcome.status == "unchanged":
             return 0
         sys.stdout.write(codegen.unified_diff(target.code, outcome.code, f"a/{target.label}", f"b/{target.label}"))
-        print(f"{PROG}: {target.label}: {target.class_name} is not adapted; run `{_regenerate_command(args, target, '--in-place')}`",
-              file=sys.stderr)
+        print(f"{PROG}: {target.label}: {target.class_name or 'its PP decoders'} not adapted; run "
+              f"`{_regenerate_command(args, target, '--in-place')}`", file=sys.stderr)
         return 1
     out = Path(args.out)
     if not out.exists():
@@ -158,7 +169,7 @@ def _regenerate_command(args: argparse.Namespace, target: Target, mode: str | No
         if args.class_name:
             words += ["--class", args.class_name]
     else:
-        words += [target.label, "--class", target.class_name]
+        words += [target.label] + (["--class", target.class_name] if target.class_name else [])
     if args.dialect and args.hf is None:
         words += ["--dialect", args.dialect]
     if args.spec:
