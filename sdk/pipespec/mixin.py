@@ -45,13 +45,37 @@ def hop_keys(stage: StagePlan, has_residual: bool) -> tuple[str, ...]:
     return base + stage.sends
 
 
+def tensor_mapping(tensors: object) -> Mapping[str, torch.Tensor] | None:
+    """The ``key -> tensor`` mapping of stage tensors: pipespec's ``IntermediateTensors`` (a Mapping) or
+    vLLM's (not one: ``key in it`` and iteration do not work, its dict is ``.tensors``), or a plain dict."""
+    if tensors is None:
+        return None
+    inner = getattr(tensors, "tensors", None)
+    if not isinstance(tensors, Mapping) and isinstance(inner, Mapping):
+        return inner
+    if isinstance(tensors, Mapping):
+        return tensors
+    raise TypeError(f"expected intermediate tensors (a mapping or an object with .tensors), got {type(tensors).__name__}")
+
+
+def merge_tensors(tensors: IntermediateTensors, extra: Mapping[str, torch.Tensor]) -> IntermediateTensors:
+    """``tensors`` plus ``extra``, of the same type (vLLM's ``IntermediateTensors`` has no ``|``)."""
+    if isinstance(tensors, Mapping):
+        return tensors | extra
+    own = tensor_mapping(tensors)
+    assert own is not None
+    return type(tensors)({**own, **extra})  # type: ignore[call-arg]
+
+
 def reserve_aux_intermediate_tensor_slots(
     tensors: IntermediateTensors, stage: StagePlan, like: str = HIDDEN_KEY
 ) -> IntermediateTensors:
     """Add the aux receive slots ``stage`` gets from its predecessor, shaped like ``tensors[like]``."""
-    template = tensors[like]
-    extra = {key: torch.zeros_like(template) for key in stage.receives if key not in tensors}
-    return tensors | extra
+    present = tensor_mapping(tensors)
+    assert present is not None
+    template = present[like]
+    extra = {key: torch.zeros_like(template) for key in stage.receives if key not in present}
+    return merge_tensors(tensors, extra)
 
 
 def relay_aux_hidden_states(
@@ -60,13 +84,14 @@ def relay_aux_hidden_states(
     """Merge the upstream aux states this stage passes through into what it sends on."""
     if not relay_keys:
         return outgoing
+    received = tensor_mapping(received)
     if received is None:
         raise RuntimeError(f"stage must relay {list(relay_keys)} but received no intermediate tensors")
     missing = [k for k in relay_keys if k not in received]
     if missing:
         raise RuntimeError(f"cannot relay aux hidden state {missing[0]!r}: keys present are {sorted(received.keys())}")
     check_received_aux_shapes(received, relay_keys)
-    return outgoing | {k: received[k] for k in relay_keys}
+    return merge_tensors(outgoing, {k: received[k] for k in relay_keys})
 
 
 def check_received_aux_shapes(received: Mapping[str, torch.Tensor], keys: Sequence[str]) -> None:
@@ -75,8 +100,9 @@ def check_received_aux_shapes(received: Mapping[str, torch.Tensor], keys: Sequen
     A wrong shape means the two stages disagree on the hop layout (ids, partition, token count or hidden
     size); passed on silently it would reach the draft as a wrong-sized input or a misleading error.
     """
-    hidden = received.get(HIDDEN_KEY)
-    if hidden is None:
+    received = tensor_mapping(received)
+    hidden = received.get(HIDDEN_KEY) if received is not None else None
+    if received is None or hidden is None:
         return
     for key in keys:
         shape = received[key].shape
@@ -229,6 +255,7 @@ class AuxHiddenStatesMixin:
         keys = self.pipespec_stage.collects
         if not keys:
             return []
+        intermediate_tensors = tensor_mapping(intermediate_tensors)  # vLLM's IntermediateTensors is not a Mapping
         if intermediate_tensors is None:
             raise RuntimeError(f"missing aux hidden state {keys[0]!r}: this stage received no intermediate tensors")
         out = []
