@@ -68,7 +68,7 @@ def test_verify_supported_unsupported_and_boundary(tmp_path):
     assert ok.returncode == 0 and "aux ids [2, 40, 77]" in ok.stdout
     mimo = run("verify", "--architecture", "MiMoForCausalLM", "--num-layers", "36", "--pp", "2")
     assert mimo.returncode == 1 and "`MiMoForCausalLM` does not support eagle3 with pipeline parallelism" in mimo.stderr
-    kimi = run("verify", "--architecture", "KimiK3ForCausalLM", "--num-layers", "8", "--pp", "2", "--aux-layers", "2,4,7")
+    kimi = run("verify", "--architecture", "KimiK3ForConditionalGeneration", "--num-layers", "8", "--pp", "2", "--aux-layers", "2,4,7")
     assert kimi.returncode == 2 and "ends stage 0" in kimi.stderr
     cls = run("verify", "--class", "transformers.models.qwen2.modeling_qwen2:Qwen2Model", "--num-layers", "24", "--pp", "3")
     assert cls.returncode == 0, cls.stderr

@@ -22,7 +22,8 @@ def test_builtin_specs_load_and_cover_the_required_families():
     for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
         assert reg.lookup(arch).supported
     assert not reg.lookup("MiMoForCausalLM").supported
-    assert reg.lookup("KimiK3ForCausalLM").boundary_rule == "reject-at-stage-end"
+    assert reg.lookup("KimiK3ForConditionalGeneration").boundary_rule == "reject-at-stage-end"
+    assert reg.lookup("KimiLinearForCausalLM").decoder_class == "vllm.models.kimi_k3.nvidia.model:KimiLinearModel"
     assert reg.lookup("llama").name == "llama"  # by model type
 
 
