@@ -199,6 +199,15 @@ def _holders(top: list[cst.ClassDef], decoder: str) -> list[_Holder]:
                          for a in m.findall(cls, m.Assign(targets=[m.AssignTarget(self_attr())], value=via))]
                 if not attrs and "_init_model" in makers:  # vLLM's LlamaForCausalLM assigns self.model from it
                     attrs = ["model"]
+        if not attrs:  # `model_cls = Decoder` on a subclass whose base builds self.model = self.model_cls(...)
+            body = cls.body.body if isinstance(cls.body, cst.IndentedBlock) else ()
+            refs = [cst.ensure_type(cst.ensure_type(s.body[0], cst.Assign).targets[0].target, cst.Name).value for s in body
+                    if m.matches(s, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Name(decoder))]))]
+            for ref in refs:
+                via_ref = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(ref)))
+                found = [cst.ensure_type(cst.ensure_type(a, cst.Assign).targets[0].target, cst.Attribute).attr.value
+                         for a in m.findall(cls, m.Assign(targets=[m.AssignTarget(self_attr())], value=via_ref))]
+                attrs += found or (["model"] if ref == "model_cls" else [])
         if attrs:
             out.append(_Holder(cls, attrs[0]))
     return out
@@ -629,10 +638,11 @@ def _stamp(module: cst.Module, label: str, classes: list[str]) -> cst.Module:
     header = list(module.header)
     if any(line.comment is not None and line.comment.value.startswith(HEADER_FIRST) for line in header):
         return module
-    text = [f"{HEADER_FIRST} {__version__} ({GENERATOR} v{GENERATOR_VERSION}) from {label}:",
-            f"# {', '.join(dict.fromkeys(classes))} follow vLLM's EAGLE3-over-PP contract (EagleModelMixin,",
-            "# SupportsEagle3). Do not edit those classes by hand; regenerate with",
-            f"# `adapter-gen {label.split(' ')[0]} --dialect vllm`."]
+    text = [f"{HEADER_FIRST} {__version__} ({GENERATOR} v{GENERATOR_VERSION}) from {label}.",
+            "# Adapted to vLLM's EAGLE3-over-PP contract (EagleModelMixin, SupportsEagle3):",
+            f"# {', '.join(dict.fromkeys(classes))}.",
+            "# Do not edit those classes by hand; regenerate with "
+            f"`adapter-gen {label.split(' ')[0]} --dialect vllm`."]
     while header and header[-1].comment is None:
         header.pop()
     lines = [cst.EmptyLine(comment=cst.Comment(t)) for t in text]

@@ -286,7 +286,16 @@ def _is_stream_value(value: cst.BaseExpression, stream: set[str]) -> bool:
         return value.value in stream
     if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Add):
         return _is_stream_value(value.left, stream) and _is_stream_value(value.right, stream)
+    if isinstance(value, cst.IfExp):  # `hidden if residual is None else hidden + residual`
+        return _is_stream_value(value.body, stream) and _is_stream_value(value.orelse, stream)
     return False
+
+
+def is_sequence_parallel_epilogue(stmt: cst.CSTNode) -> bool:
+    """``if self.use_sequence_parallel: ...`` after the loop: gathers the last rank's shards, aux list
+    included. vLLM does not run sequence parallelism with PP (its kimi_k3 asserts "Currently, SP is not
+    supported with PP"), so there the list holds only this stage's own states and the block stays as is."""
+    return isinstance(stmt, cst.If) and any("sequence_parallel" in n for n in names_in(stmt.test))
 
 
 def _is_aux_return_guard(stmt: cst.CSTNode, aux: set[str]) -> bool:
@@ -366,9 +375,11 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
         if _is_capture_stmt(stmt, aux, hidden, residual) or _is_aux_return_guard(stmt, aux):
             remove.append(stmt)
     removed = {id(n) for n in remove}
+    at = next(i for i, s in enumerate(body) if s is loop)
+    epilogue = {id(s) for s in body[at + 1:] if is_sequence_parallel_epilogue(s)}
     for name in aux | {"aux_hidden_state_layers", "_maybe_add_hidden_state"}:
         for stmt in [*body, *cst.ensure_type(loop.body, cst.IndentedBlock).body]:
-            if stmt is loop or id(stmt) in removed:
+            if stmt is loop or id(stmt) in removed or (id(stmt) in epilogue and name in aux):
                 continue
             if name in names_in(stmt):
                 gathers = sorted(n for n in names_in(stmt) if "gather" in n)
