@@ -2,12 +2,18 @@
 
 Exit 0 and a one-line verdict when supported; exit 1 with the verifier's message (what is wrong and
 what to do) when not; exit 2 for bad flags or an impossible layout.
+
+``--engine vllm`` answers what pipespec's vLLM plugin would do at engine load for ``--architecture``
+(vLLM's name) at ``--pp`` — supported as it is / adapt (with which spec) / refuse (why) — without loading
+weights; ``--json`` prints ``{"architecture", "class", "decision", "reason", "spec"}``; exit 0 unless
+refused (2). vLLM is imported only then; without it, one line and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 
 from pipespec.cli.args import add_layout_arguments, layout_from_args
 from pipespec.errors import UnsupportedModelError, UsageError
@@ -15,6 +21,8 @@ from pipespec.registry import default_registry
 from pipespec.verify import METHODS, verify_supports_aux_hidden_states_over_pp
 
 HELP = "check that an architecture or class supports aux hidden states over PP for a layout"
+ENGINES = ("transformers", "vllm")
+NEEDS_VLLM = "pipespec verify --engine vllm needs vLLM (>= 0.32) installed: run it where vLLM is (`pip install 'pipespec[vllm]'`)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +31,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--class", dest="class_path", metavar="module:Class", help="decoder class to import and check")
     parser.add_argument("--method", default="eagle3", choices=METHODS)
     add_layout_arguments(parser, num_layers_required=False)
+    parser.add_argument("--engine", choices=ENGINES, default="transformers",
+                        help="transformers (default): pipespec's registry and verifier; vllm: what pipespec's vLLM plugin would do")
+    parser.add_argument("--json", action="store_true",
+                        help='--engine vllm: print {"architecture", "class", "decision", "reason", "spec"}')
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    """``--engine vllm``: the plugin's decision for this architecture and PP size, without weights."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise UsageError(NEEDS_VLLM) from None
+    from pipespec.integrations.vllm.adapt_at_load import verify_architecture
+
+    cls = import_class(args.class_path) if args.class_path else None
+    decision = verify_architecture(args.architecture, args.method, args.pp, cls)
+    if args.json:
+        print(json.dumps(decision.as_json()))
+    else:
+        spec = f" (spec: {decision.spec})" if decision.spec else ""
+        print(f"{decision.architecture}: {decision.decision}{spec}: {decision.reason}")
+    return 2 if decision.decision == "refuse" else 0
 
 
 def import_class(path: str) -> type:
@@ -40,6 +70,10 @@ def import_class(path: str) -> type:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        return run_vllm(args)
+    if args.json:
+        raise UsageError("--json is for --engine vllm (the transformers check prints one line)")
     registry = default_registry()
     if args.architecture:
         spec = registry.lookup(args.architecture)

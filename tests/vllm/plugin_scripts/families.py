@@ -8,8 +8,10 @@ runs the same weights as vLLM does:
 * ``granitemoe`` — one expert, every Granite multiplier 1 except ``attention_multiplier`` = head_dim**-0.5;
 * ``qwen2_moe`` — every layer in ``mlp_only_layers`` (dense Qwen2 MLP), zero q/k/v biases.
 
+``write_family`` writes the names vLLM's loaders read (the families' published checkpoint layout);
+``write_transformers_layout`` re-saves one with the state-dict names of the installed transformers
+(what pipespec's own engine loads: it reads tensors by module name and applies no conversion mapping).
 Reads the target from disk every time (another helper may retrain the demo pair): nothing is hard-coded.
-Imports torch and safetensors only.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 FAMILIES = ("mixtral", "granitemoe", "qwen2_moe")
+TOY_ARCHITECTURE = "ToyLMForCausalLM"  # toy_lm.py, the out-of-tree model
 
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -124,6 +127,36 @@ def write_family(family: str, target: Path, out: Path) -> Path:
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in _COPIED:
+        if (target / name).exists():
+            shutil.copy(target / name, out / name)
+    return out
+
+
+def write_transformers_layout(checkpoint: Path, out: Path) -> Path:
+    """Re-save ``checkpoint`` with the installed transformers' own tensor names (same values, same config)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"))
+    for name in ("config.json", *_COPIED):
+        if (checkpoint / name).exists():
+            shutil.copy(checkpoint / name, out / name)
+    return out
+
+
+def write_toy(target: Path, out: Path) -> Path:
+    """The target as a ``ToyLMForCausalLM`` checkpoint: same tensors and config, another architecture name.
+
+    ``model_type`` stays ``llama``, so transformers (and pipespec's engine) load it as Llama, while vLLM
+    knows the name only through ``model_class_overrides``.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    config["architectures"] = [TOY_ARCHITECTURE]
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in ("model.safetensors", *_COPIED):
         if (target / name).exists():
             shutil.copy(target / name, out / name)
     return out

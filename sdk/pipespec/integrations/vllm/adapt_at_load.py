@@ -82,11 +82,11 @@ def decide(architecture: str, cls: type, method: str = "eagle3", pp: int = 1) ->
     try:
         built = install_finder().built(name)
     except PipespecError as exc:
-        return Decision(architecture, path, "refuse", f"{head}; pipespec cannot adapt it: {exc}")
+        return _vllm_own_or_refuse(architecture, cls, method, pp, f"{head}; pipespec cannot adapt it: {exc}")
     if built.status != "adapted":
         why = built.reason or "the codemod left its decoder unchanged"
-        return Decision(architecture, path, "refuse", f"{head}; pipespec cannot adapt it: {built.status} ({why})",
-                        built.spec.label)
+        return _vllm_own_or_refuse(architecture, cls, method, pp,
+                                   f"{head}; pipespec cannot adapt it: {built.status} ({why})", built.spec.label)
     adapted = getattr(importlib.import_module(name), cls.__name__)
     # Checked at PP >= 2 even for a PP = 1 run: the adapted class must also serve plain pipelines.
     after = judge_vllm_class(adapted, pp=max(pp, 2))
@@ -96,6 +96,19 @@ def decide(architecture: str, cls: type, method: str = "eagle3", pp: int = 1) ->
                         built.spec.label)
     return Decision(architecture, path, "adapt", f"{head}; adapted from {built.source_file}", built.spec.label,
                     f"{name}:{cls.__name__}")
+
+
+def _vllm_own_or_refuse(architecture: str, cls: type, method: str, pp: int, refusal: str,
+                        spec: str | None = None) -> Decision:
+    """At PP = 1 a class vLLM itself gives ``SupportsEagle3`` (e.g. the Transformers backend, which captures
+    through hooks, not through an ``EagleModelMixin`` decoder) is left to vLLM when pipespec cannot adapt it."""
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    if pp == 1 and supports_eagle3(cls):
+        return Decision(architecture, _class_path(cls), "supported",
+                        f"{cls.__name__} implements vLLM's SupportsEagle3 (PP = 1; pipespec leaves it to vLLM: "
+                        f"{refusal.partition('; ')[2]})")
+    return Decision(architecture, _class_path(cls), "refuse", refusal, spec)
 
 
 def v2_runner_available(vllm_config: Any | None = None) -> bool:
@@ -176,3 +189,35 @@ def parse_target(target: str | None) -> bool:
     from pipespec.integrations.vllm.adapted_modules import parse_adapted_module_name
 
     return bool(target) and parse_adapted_module_name(str(target).partition(":")[0]) is not None
+
+
+def verify_architecture(architecture: str | None, method: str, pp: int, cls: type | None = None) -> Decision:
+    """``pipespec verify --engine vllm``: what the plugin would do for this architecture (no weights, no config).
+
+    Loads vLLM's general plugins first, so architectures other plugins register are known.
+    """
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    if pp < 1:
+        raise UsageError(f"--pp {pp}: pipeline size must be >= 1")
+    if cls is None:
+        assert architecture is not None
+        entry = ModelRegistry.models.get(architecture)
+        if entry is None:
+            return Decision(architecture, "", "refuse",
+                            f"{architecture} is not an architecture of vLLM {_vllm_version()} (nor of any loaded vLLM "
+                            "plugin): check the spelling (config.json's `architectures`), or register the model with "
+                            "ModelRegistry.register_model")
+        cls = entry.load_model_cls()
+    name = architecture or cls.__name__
+    if method in EAGLE3_FAMILY and pp > 1 and not v2_runner_available():
+        return Decision(name, _class_path(cls), "refuse", runner_refusal(method, pp))
+    return decide(name, cls, method, pp)
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)

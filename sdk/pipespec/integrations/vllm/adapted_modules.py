@@ -34,7 +34,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pipespec
-from pipespec.errors import UnsupportedModelError, UsageError
+from pipespec.errors import SpecError, UnsupportedModelError, UsageError
 from pipespec.registry import default_registry
 from pipespec.spec import AdapterSpec
 
@@ -105,7 +105,25 @@ def choose_spec(architecture: str, cls: type) -> SpecChoice:
         )
     if spec.dialect != "vllm":
         return SpecChoice(None, f"inferred; {label} describes the transformers class")
+    _check_decoder_class(spec, cls)
     return SpecChoice(spec, label)
+
+
+def _check_decoder_class(spec: AdapterSpec, cls: type) -> None:
+    """A vLLM-dialect spec must name a class that exists (in the model's module or where it says)."""
+    try:
+        module = importlib.import_module(spec.decoder_module)
+    except ImportError as exc:
+        found = None
+        why = f"module {spec.decoder_module!r} cannot be imported ({exc})"
+    else:
+        found = getattr(module, spec.decoder_class_name, None)
+        why = f"module {spec.decoder_module} has no class {spec.decoder_class_name!r}"
+    if not isinstance(found, type):
+        raise SpecError(
+            f"{spec.source}: adapter.decoder_class = {spec.decoder_class!r}: {why}; name the decoder class "
+            f"{cls.__name__} builds (in {cls.__module__}), as `module:Class`"
+        )
 
 
 def _cache_dir() -> Path | None:
