@@ -5,9 +5,9 @@
 DIR is the installed ``vllm`` package directory (default: ``.venv-vllm``'s). Every ``.py`` under
 ``model_executor/models/`` and ``models/`` is read (never imported) and passed to
 ``adapt_vllm_module``; files without a PP decoder are counted and skipped. ``--import-check`` (run it with
-``.venv-vllm/bin/python``) also writes each adapted module next to its source as ``<name>_pipespec.py``
-in a temporary copy of nothing but that file, imports it inside the vLLM package
-(``vllm.model_executor.models.<name>_pipespec``) so relative imports resolve, and deletes it again.
+``.venv-vllm/bin/python``) also imports each adapted module, from a temporary file, as a module of its
+source's package (``vllm.model_executor.models.<name>_pipespec``) so relative imports resolve; a failure
+is told apart from an environment that cannot import the original either.
 Prints per-decoder lines and the totals; ``--json`` prints one JSON object instead.
 """
 
@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
+import tempfile
 import traceback
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -58,29 +61,42 @@ def survey(vllm_dir: Path, import_check: bool = False) -> dict[str, object]:
 
 
 def import_adapted(path: Path, code: str, vllm_dir: Path) -> str:
-    """Compile and import the adapted module inside vLLM's package; "ok" or the error's last line."""
+    """Compile and import the adapted module as ``<package>.<name>_pipespec`` (so its relative imports
+    resolve inside vLLM) from a temporary file; "ok", or the error's last line. Nothing is written into
+    the vLLM tree."""
     try:
         compile(code, str(path), "exec")
     except SyntaxError as exc:
         return f"SyntaxError: line {exc.lineno}: {exc.msg}"
-    out = path.with_name(f"{path.stem}_pipespec.py")
     package = ".".join(path.parent.relative_to(vllm_dir.parent).parts)
-    out.write_text(code, encoding="utf-8")
-    try:
-        importlib.import_module(f"{package}.{out.stem}")
-    except Exception as exc:  # report, keep surveying
-        last = traceback.format_exception_only(type(exc), exc)[-1].strip()[:300]
-    else:
-        return "ok"
-    finally:
-        out.unlink()
-        sys.modules.pop(f"{package}.{out.stem}", None)
+    name = f"{package}.{path.stem}_pipespec"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / f"{path.stem}_pipespec.py"
+        out.write_text(code, encoding="utf-8")
+        try:
+            load_as(name, out)
+        except Exception as exc:  # report, keep surveying
+            last = traceback.format_exception_only(type(exc), exc)[-1].strip()[:300]
+        else:
+            return "ok"
+        finally:
+            sys.modules.pop(name, None)
     try:  # does the unadapted module import here? If not, the environment is missing something, not us
         importlib.import_module(f"{package}.{path.stem}")
     except Exception as exc:
         original = traceback.format_exception_only(type(exc), exc)[-1].strip()[:300]
         return f"env: the original does not import either ({original})"
     return last
+
+
+def load_as(name: str, path: Path) -> types.ModuleType:
+    """Import the file at ``path`` as module ``name`` (its package is what relative imports resolve in)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> int:

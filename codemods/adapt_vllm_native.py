@@ -144,7 +144,8 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
                 edits = []
                 for h in held:
                     bases_ready = any(_base_name(b) in eagle3_ready for b in _bases(h.cls))
-                    new_h, more = _adapt_holder(replace.get(id(h.cls), h.cls), h.attr, plan.loop.layers_attr, bases_ready)
+                    new_h, more = _adapt_holder(replace.get(id(h.cls), h.cls), h.attr, plan.loop.layers_attr, bases_ready,
+                                               _module_type(_module_names(module)))
                     edits.append((h.cls, new_h))
                     imports |= more
                     eagle3_ready.add(h.cls.name.value)
@@ -186,7 +187,7 @@ def _holders(top: list[cst.ClassDef], decoder: str) -> list[_Holder]:
     out = []
     built = m.Call(func=m.Name(decoder))
     for cls in top:
-        if cls.name.value == decoder:
+        if cls.name.value == decoder or not _is_generative(cls):
             continue
         own = methods(cls)
         attrs = [cst.ensure_type(cst.ensure_type(a, cst.Assign).targets[0].target, cst.Attribute).attr.value
@@ -211,6 +212,14 @@ def _holders(top: list[cst.ClassDef], decoder: str) -> list[_Holder]:
         if attrs:
             out.append(_Holder(cls, attrs[0]))
     return out
+
+
+def _is_generative(cls: cst.ClassDef) -> bool:
+    """A model an EAGLE3 drafter can target: a causal LM (pooling/classification heads are not)."""
+    name = cls.name.value
+    if any(word in name for word in ("Classification", "Embedding", "Reward", "Pooling", "QuestionAnswering")):
+        return False
+    return name.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) or "compute_logits" in methods(cls)
 
 
 def _select(decoders: list[cst.ClassDef], holders: dict[str, list[_Holder]], classes: Sequence[str] | None,
@@ -292,7 +301,7 @@ def _adapt_decoder(dec: cst.ClassDef, plan: ForwardPlan, spec: AdapterSpec | Non
     if alias is not None:
         at = next(i for i, s in enumerate(body) if s is new_forward)
         body.insert(at, alias.with_changes(leading_lines=[cst.EmptyLine(indent=False)]))
-    marker = json.dumps(f"{GENERATOR} v{GENERATOR_VERSION} (pipespec {__version__}); source {label}:{dec.name.value}")
+    marker = json.dumps(f"{GENERATOR} v{GENERATOR_VERSION} (pipespec {__version__}) from {label.split(' ')[0]}")
     lines = [cst.parse_statement(f"{FLAG} = True\n"), cst.parse_statement(f"{MARKER_ATTR} = {marker}\n")]
     at = 1 if body and is_docstring(body[0]) else 0
     if at:
@@ -381,17 +390,23 @@ class _RewriteForward(cst.CSTTransformer):
         if original_node is not self.plan.loop.node:
             return updated_node
         p, aux = self.plan, self.plan.aux
-        capture = cst.parse_statement(
-            f"self._maybe_add_hidden_state({aux}, {code_of(p.loop.next_id)}, {p.hidden}, {self._residual()})\n")
+        capture = cst.parse_statement(_wrapped_call("self._maybe_add_hidden_state", [
+            aux, code_of(p.loop.next_id), p.hidden, self._residual()], indent=12))
         body = cst.ensure_type(updated_node.body, cst.IndentedBlock)
-        loop = updated_node.with_changes(iter=p.loop.new_iter or updated_node.iter,
+        new_iter = p.loop.new_iter
+        if new_iter is not None and len(code_of_exact(updated_node.target if p.loop.new_target is None else p.loop.new_target)
+                                        + code_of_exact(new_iter)) + 20 > LINE:  # vLLM's own multi-line form
+            inner = code_of_exact(cst.ensure_type(new_iter, cst.Call).args[0].value)
+            header = cst.ensure_type(cst.parse_statement(
+                f"for _ in enumerate(\n    {inner},\n    start=self.start_layer,\n):\n    pass\n"), cst.For)
+            new_iter = header.iter
+        loop = updated_node.with_changes(iter=new_iter or updated_node.iter,
                                          target=p.loop.new_target or updated_node.target,
                                          body=body.with_changes(body=[*body.body, capture]), leading_lines=())
         annotation = ": list[torch.Tensor]" if self.annotate else ""
-        first = cst.parse_statement(
-            "if get_pp_group().is_first_rank:\n"
-            f"    self._maybe_add_hidden_state({aux}, self.start_layer, {p.hidden}, "
-            f"{self._residual(p.residual_bound_before_loop)})\n")
+        call = _wrapped_call("self._maybe_add_hidden_state", [
+            aux, "self.start_layer", p.hidden, self._residual(p.residual_bound_before_loop)], indent=12)
+        first = cst.parse_statement("if get_pp_group().is_first_rank:\n" + "".join(f"    {line}\n" for line in call.splitlines()))
         prelude = [
             cst.parse_statement(f"{self.remote} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n")
             .with_changes(leading_lines=original_node.leading_lines or [cst.EmptyLine(indent=False)]),
@@ -418,6 +433,17 @@ class _RewriteForward(cst.CSTTransformer):
         new = cst.StarredDictElement(pack, comma=last.comma)
         elements[-1] = last.with_changes(comma=sep)
         table = table.with_changes(elements=[*elements, new])
+        original = cst.ensure_type(call.args[0].value, cst.Dict)
+        flat = f"return {code_of_exact(call.func)}({code_of_exact(original)[:-1]}, **{code_of(pack)}}})"
+        if "\n" not in code_of_exact(original) and len(flat) + 12 > LINE:
+            lines = []  # vLLM's multi-line form for a dict that no longer fits on one line
+            for el in elements + [new]:
+                if isinstance(el, cst.DictElement):
+                    lines.append(f"        {code_of_exact(el.key)}: {code_of_exact(el.value)},\n")
+                else:
+                    lines.append(f"        **{code_of_exact(el.value)},\n")
+            text = f"return {code_of_exact(call.func)}(\n    {{\n{''.join(lines)}    }}\n)\n"
+            return cst.ensure_type(cst.ensure_type(cst.parse_statement(text), cst.SimpleStatementLine).body[0], cst.Return)
         return updated_node.with_changes(value=call.with_changes(args=[call.args[0].with_changes(value=table)]))
 
     def leave_SimpleStatementLine(
@@ -436,6 +462,18 @@ class _RewriteForward(cst.CSTTransformer):
             cst.parse_statement(f"return {value}\n"),
         ]
         return cst.FlattenSentinel(lines)
+
+
+LINE = 88  # vLLM's line length (ruff format): generated lines longer than this are wrapped the way it would
+
+
+def _wrapped_call(func: str, args: list[str], indent: int) -> str:
+    """``func(a, b)`` on one line when it fits at ``indent``, else vLLM's style with the arguments on one
+    indented line."""
+    flat = f"{func}({', '.join(args)})"
+    if indent + len(flat) <= LINE:
+        return flat + "\n"
+    return f"{func}(\n    {', '.join(args)}\n)\n"
 
 
 def code_of_exact(node: cst.CSTNode) -> str:
@@ -490,7 +528,8 @@ def _check_embed_spec(spec: AdapterSpec | None, name: str | None, node: cst.CSTN
 
 
 # ---------------------------------------------------------------------------------------- holder
-def _adapt_holder(cls: cst.ClassDef, attr: str, layers_attr: str, bases_ready: bool) -> tuple[cst.ClassDef, set[str]]:
+def _adapt_holder(cls: cst.ClassDef, attr: str, layers_attr: str, bases_ready: bool,
+                  module_type: str) -> tuple[cst.ClassDef, set[str]]:
     """``SupportsEagle3`` and what vLLM's protocol defaults cannot find on their own."""
     imports: set[str] = set()
     own = methods(cls)
@@ -505,7 +544,7 @@ def _adapt_holder(cls: cst.ClassDef, attr: str, layers_attr: str, bases_ready: b
     assigns_model = bool(m.findall(cls, m.AssignTarget(self_attr("model")))) or "model" in own
     extra: list[str] = []
     if attr != "model" and not assigns_model:
-        extra.append("@property\ndef model(self):\n"
+        extra.append(f"@property\ndef model(self) -> {module_type}:\n"
                      "    # vLLM's EAGLE drafter reads the target's input embedding through .model\n"
                      f"    return self.{attr}\n")
     if redirect and setter is None:
@@ -641,8 +680,8 @@ def _stamp(module: cst.Module, label: str, classes: list[str]) -> cst.Module:
     text = [f"{HEADER_FIRST} {__version__} ({GENERATOR} v{GENERATOR_VERSION}) from {label}.",
             "# Adapted to vLLM's EAGLE3-over-PP contract (EagleModelMixin, SupportsEagle3):",
             f"# {', '.join(dict.fromkeys(classes))}.",
-            "# Do not edit those classes by hand; regenerate with "
-            f"`adapter-gen {label.split(' ')[0]} --dialect vllm`."]
+            "# Do not edit those classes by hand; regenerate them with",
+            f"#     adapter-gen {label.split(' ')[0]} --dialect vllm"]
     while header and header[-1].comment is None:
         header.pop()
     lines = [cst.EmptyLine(comment=cst.Comment(t)) for t in text]
