@@ -60,6 +60,9 @@ class Job:
     architecture: str  # registry name that builds ``causal_lm``
     decoder_attr: str = "model"  # attribute of the *ForCausalLM holding the decoder
     code: str | None = None  # adapted module source; None checks the installed module as it is
+    # A holder no registry name builds (a multimodal model's language model): ``architecture`` is then
+    # the holder's own name, registered in the worker, and its config is this architecture's text config.
+    text_of: str | None = None
 
 
 def zoo_ids(num_layers: int, pp_start: int) -> tuple[int, ...]:
@@ -99,14 +102,47 @@ def _adapted_module(job: Job) -> types.ModuleType:
     module.__file__ = f"<adapted {job.file}>"
     sys.modules[name] = module
     try:
-        # dont_inherit: this module's `from __future__ import annotations` must not turn the generated
-        # annotations into strings (vLLM's @support_torch_compile reads them as types)
-        exec(compile(job.code, module.__file__, "exec", dont_inherit=True), module.__dict__)  # noqa: S102
+        with _reregistration(job.module):
+            # dont_inherit: this module's `from __future__ import annotations` must not turn the generated
+            # annotations into strings (vLLM's @support_torch_compile reads them as types)
+            exec(compile(job.code, module.__file__, "exec", dont_inherit=True), module.__dict__)  # noqa: S102
     except BaseException:
         del sys.modules[name]
         raise
     _ADAPTED[key] = module
     return module
+
+
+@contextlib.contextmanager
+def _reregistration(original: str) -> Iterator[None]:
+    """Let the adapted copy of ``original`` run its import-time registrations a second time.
+
+    The installed module already registered its ``CustomOp``/``PluggableLayer`` names and its
+    ``torch.ops.vllm`` custom ops; run again, vLLM asserts "Duplicate op name". While the copy executes,
+    the installed module's ``op_registry`` entries are set aside (and put back after, so every other
+    model still gets the installed classes), and a custom op already defined is not defined again (the
+    copy's op function is the same source).
+    """
+    from vllm.model_executor import custom_op
+    from vllm.utils import torch_utils
+
+    registry = custom_op.op_registry
+    mine = {k: v for k, v in registry.items() if getattr(v, "__module__", None) == original}
+    for key in mine:
+        del registry[key]
+    register = torch_utils.direct_register_custom_op
+
+    def register_once(op_name: str, *args: Any, **kwargs: Any) -> None:
+        if hasattr(torch.ops.vllm, op_name):
+            return
+        register(op_name, *args, **kwargs)
+
+    torch_utils.direct_register_custom_op = register_once
+    try:
+        yield
+    finally:
+        torch_utils.direct_register_custom_op = register
+        registry.update(mine)
 
 
 def _classes(job: Job) -> tuple[type, type]:
@@ -125,7 +161,11 @@ def _model_dir(job: Job) -> str:
     from pipespec.integrations.vllm.tiny import tiny_vllm_config, write_model_dir
 
     if job.architecture not in _MODEL_DIRS:
-        config, _ = tiny_vllm_config(job.architecture, os.path.splitext(os.path.basename(job.file))[0])
+        stem = os.path.splitext(os.path.basename(job.file))[0]
+        config, _ = tiny_vllm_config(job.text_of or job.architecture, stem)
+        if job.text_of is not None:
+            config = config.get_text_config()
+            config.architectures = [job.architecture]
         _MODEL_DIRS[job.architecture] = write_model_dir(config, tempfile.mkdtemp(prefix="pipespec-vllm-zoo-"))
     return _MODEL_DIRS[job.architecture]
 
@@ -258,6 +298,19 @@ def _layers(decoder: torch.nn.Module) -> torch.nn.ModuleList:
     raise RuntimeError(f"{type(decoder).__name__} has no layer ModuleList ({', '.join(_LAYER_LISTS)}) to read the reference from")
 
 
+_FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "final_norm")
+
+
+def _final_norm(decoder: torch.nn.Module) -> torch.nn.Module | None:
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    for name in _FINAL_NORMS:
+        module = getattr(decoder, name, None)
+        if isinstance(module, torch.nn.Module) and not isinstance(module, PPMissingLayer):
+            return module
+    return None
+
+
 def _stream(hidden: Any, residual: Any) -> torch.Tensor:
     if not isinstance(hidden, torch.Tensor):
         raise RuntimeError(f"decoder layer hidden states are {type(hidden).__name__}, not a tensor")
@@ -268,7 +321,8 @@ def _stream(hidden: Any, residual: Any) -> torch.Tensor:
 @contextlib.contextmanager
 def _record_stream(decoder: torch.nn.Module, ids: tuple[int, ...]) -> Iterator[dict[int, torch.Tensor]]:
     """Hooks recording the residual stream at ``ids`` while the reference runs (cloned: vLLM's fused
-    add-norms update their inputs in place)."""
+    add-norms update their inputs in place): id L < N is layer L's input, id N the final norm's input
+    (the last layer's output when the decoder has no final norm under a usual name)."""
     layers = _layers(decoder)
     n = len(layers)
     seen: dict[int, torch.Tensor] = {}
@@ -290,11 +344,21 @@ def _record_stream(decoder: torch.nn.Module, ids: tuple[int, ...]) -> Iterator[d
         else:
             seen[n] = _stream(out, None)
 
+    def before_norm(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        values = [*args, *kwargs.values()]
+        seen[n] = _stream(values[0], values[1] if len(values) > 1 else None)
+
     for layer_id in ids:
         if layer_id < n:
             handles.append(layers[layer_id].register_forward_pre_hook(before(layer_id), with_kwargs=True))
     if n in ids:
-        handles.append(layers[n - 1].register_forward_hook(after))
+        # id N is what enters the final norm (a fused add-norm gets `(hidden, residual)`); a layer's
+        # second output is not always a residual still to add (StableLM returns it already added)
+        norm = _final_norm(decoder)
+        if norm is not None:
+            handles.append(norm.register_forward_pre_hook(before_norm, with_kwargs=True))
+        else:
+            handles.append(layers[n - 1].register_forward_hook(after))
     try:
         yield seen
     finally:

@@ -22,7 +22,67 @@ import os
 from functools import cache
 from typing import Any
 
-__all__ = ["TinyConfigError", "architectures_of", "model_type_of", "tiny_vllm_config", "write_model_dir"]
+__all__ = ["ARCH_FIXES", "GENERIC_REMOTE", "TinyConfigError", "architectures_of", "model_type_of", "tiny_vllm_config",
+           "write_model_dir"]
+
+#: Fields of the generic config used for architectures whose config class neither transformers nor vLLM
+#: ships (``trust_remote_code`` models): vLLM's modeling code reads these names from the HF config.
+GENERIC_REMOTE: dict[str, Any] = {
+    "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 128, "rms_norm_eps": 1e-6,
+    "layer_norm_eps": 1e-5, "layer_norm_epsilon": 1e-5, "hidden_act": "silu", "rope_theta": 10000.0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.02,
+}
+
+#: Per-architecture config fields on top of the recipe, each with why the recipe is not enough.
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_shared_experts": 1,
+        "moe_shared_expert_intermediate_size": 32, "norm_topk_prob": True}
+ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
+    "BailingMoeForCausalLM": ({**_MOE, "embedding_dropout": 0.0, "first_k_dense_replace": 1, "use_bias": False,
+                               "use_qkv_bias": False}, "remote-code config: MoE sizes, first dense layer, biases"),
+    "BailingMoeV2_5ForCausalLM": ({**_MOE, "layer_group_size": 1, "first_k_dense_replace": 1, "use_bias": False,
+                                   "use_qkv_bias": False},
+                                  "remote-code config: MoE sizes; every layer full attention (layer_group_size 1): its "
+                                  "linear attention runs Triton kernels, which this CPU build lacks"),
+    "BailingMoeV3ForCausalLM": ({**_MOE, "layer_group_size": 2, "first_k_dense_replace": 1, "use_bias": False,
+                                 "n_group": 1, "topk_group": 1, "short_conv_kernel_size": 4, "no_kda_lora": True},
+                                "remote-code config: MoE sizes and groups, linear/full attention groups"),
+    "ExaoneForCausalLM": ({"activation_function": "silu"}, "remote-code config: names its activation activation_function"),
+    "MiniCPMForCausalLM": ({"dim_model_base": 64, "scale_depth": 1.4, "scale_emb": 12.0, "num_experts": 0},
+                           "remote-code config: muP scales (dense model: num_experts 0)"),
+    "Param2MoEForCausalLM": ({**_MOE, "rope_scaling": None, "score_function": "softmax"},
+                             "remote-code config: MoE sizes and router score function"),
+    "Rnj1ForCausalLM": ({"attention_bias": False, "final_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh",
+                         "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "query_pre_attn_scalar": 16,
+                         "sliding_window": 4}, "remote-code config: Gemma-3-style attention fields"),
+    "SarvamMLAForCausalLM": ({**_MOE, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+                              "num_key_value_heads": 4, "first_k_dense_replace": 1},
+                             "remote-code config: latent-attention ranks and MoE sizes"),
+    "SolarForCausalLM": ({"bskcn_1": [1], "bskcn_2": [4], "bskcn_3": [2], "bskcn_4": [5], "bskcn_tv": [0.9, 0.8]},
+                         "remote-code config: skip connections, each pair inside one PP=2 stage (a pair across stages "
+                         "reads a clone the previous stage never sends)"),
+    "Glm4MoeForCausalLM": ({"head_dim": 16}, "vLLM reads config.head_dim, which transformers' Glm4MoeConfig derives"),
+    "AfmoeForCausalLM": ({"score_func": "softmax", "route_norm": True, "n_group": 1, "topk_group": 1},
+                         "vLLM reads the router's remote-code fields (score_func, route_norm, groups)"),
+    "Glm4MoeLiteForCausalLM": ({"first_k_dense_replace": 1}, "vLLM reads config.first_k_dense_replace"),
+    "HYV3ForCausalLM": ({"first_k_dense_replace": 1, "expert_hidden_dim": 32, "route_norm": True},
+                        "vLLM requires config.first_k_dense_replace and reads the expert width"),
+    "Lfm2ForCausalLM": ({"conv_dim": 64, "conv_L_cache": 3, "block_dim": 64},
+                        "vLLM reads the short-conv and block widths"),
+    "LongcatFlashForCausalLM": ({"mla_scale_q_lora": True, "mla_scale_kv_lora": True, "zero_expert_type": "identity"},
+                                "vLLM reads the MLA LoRA scale switches and asserts a zero-expert type"),
+    "MiMoV2FlashForCausalLM": ({"hybrid_layer_pattern": [0, 1, 0, 1, 0, 1], "swa_head_dim": 16,
+                                "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "sliding_window_size": 4,
+                                "layernorm_epsilon": 1e-6, "moe_layer_freq": [0, 1, 1, 1, 1, 1]},
+                               "vLLM reads the sliding/full layer pattern and the sliding-attention shape"),
+    "MiniMaxM2ForCausalLM": ({"rotary_dim": 8, "scoring_func": "softmax", "max_model_len": 128},
+                             "vLLM reads config.rotary_dim (partial rotary) and the router's scoring_func"),
+    "Step3TextForCausalLM": ({"moe_layers_enum": "1,2,3,4,5", "tie_word_embeddings": False},
+                             "vLLM parses the MoE layer list from a comma-separated string"),
+    "Step3p5ForCausalLM": ({"max_position_embeddings": 128, "tie_word_embeddings": False},
+                           "vLLM asserts max_position_embeddings is set"),
+}
 
 
 class TinyConfigError(Exception):
@@ -110,20 +170,19 @@ def tiny_vllm_config(architecture: str, file_stem: str) -> tuple[Any, str]:
     from pipespec.zoo import tiny as hf_tiny
 
     model_type = model_type_of(architecture, file_stem)
+    fix, _why = ARCH_FIXES.get(architecture, ({}, ""))
     if model_type is None:
-        raise TinyConfigError(
-            f"no model type for architecture {architecture}: not in transformers' auto mappings nor in vLLM's "
-            f"config registry under {file_stem!r}"
-        )
+        config = _remote_config(architecture, file_stem, fix)
+        return config, str(config.model_type)
     config_cls = _config_class(model_type)
     if model_type in _vllm_config_classes() or not dataclasses.is_dataclass(config_cls):
         fields = hf_tiny.config_fields(config_cls) or _init_fields(config_cls)
         kwargs = {k: v for k, v in hf_tiny.GENERIC.items() if k in fields}
         hf_tiny._tiny_special_ids(fields, kwargs)
         hf_tiny._scale_mla_dims(fields, kwargs)
-        fix = hf_tiny.FIXES.get(model_type)
-        if fix is not None:
-            fix.apply(kwargs)
+        hf_fix = hf_tiny.FIXES.get(model_type)
+        if hf_fix is not None:
+            hf_fix.apply(kwargs)
         try:
             with hf_tiny._quiet():
                 config = config_cls(**kwargs)
@@ -134,8 +193,29 @@ def tiny_vllm_config(architecture: str, file_stem: str) -> tuple[Any, str]:
             config, _fixes = hf_tiny.tiny_config(model_type)
         except hf_tiny.TinyBuildError as exc:
             raise TinyConfigError(str(exc)) from None
+    for key, value in fix.items():
+        setattr(config, key, value)
     config.architectures = [architecture]
     return config, model_type
+
+
+def _remote_config(architecture: str, file_stem: str, fix: dict[str, Any]) -> Any:
+    """A ``PretrainedConfig`` of a model type registered here for ``architecture`` (its HF config class
+    lives in the model's repository, not in any installed package), with the generic fields + fixes.
+
+    The type is registered with ``AutoConfig`` in this process, so ``ModelConfig`` loads the written
+    ``config.json`` the way it loads a remote-code config.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = f"pipespec_tiny_{file_stem.lower()}"
+    if model_type not in CONFIG_MAPPING:
+        config_cls = type(f"Tiny{architecture}Config", (PretrainedConfig,), {"model_type": model_type})
+        AutoConfig.register(model_type, config_cls)
+    config = CONFIG_MAPPING[model_type](**{**GENERIC_REMOTE, **fix})
+    config.architectures = [architecture]
+    return config
 
 
 def write_model_dir(config: Any, directory: str) -> str:

@@ -116,10 +116,13 @@ def _architecture(module: str, class_name: str) -> str | None:
     return None
 
 
-def _registered_classes(module: str) -> list[str]:
+def _registered_classes(module: str, source: str) -> list[str]:
+    """Registered classes defined in ``source`` (the file of ``module``), read from the text so that the
+    parent never imports model code: the exact module, or a package that re-exports the file's class."""
     from pipespec.integrations.vllm.tiny import _registry
 
-    return [cls for (mod, cls) in _registry() if mod == module]
+    return sorted({cls for (mod, cls) in _registry()
+                   if (mod == module or module.startswith(mod + ".")) and f"class {cls}(" in source})
 
 
 # ------------------------------------------------------------------------------------- workers
@@ -248,27 +251,38 @@ def _check(pool: _Pool, job: Job, row: ZooResult) -> None:
                   f"rank 0 sends {', '.join(sent) or 'no aux keys'}")
 
 
-def _jobs_for(rel: str, outcome: Any, code: str | None) -> tuple[Job | None, str]:
-    """The job checking ``outcome``'s decoder, or None and the reason none can be built."""
+def _jobs_for(rel: str, outcome: Any, code: str | None, source: str) -> tuple[Job | None, str]:
+    """The job checking ``outcome``'s decoder, or None and the reason none can be built.
+
+    The holder (``*ForCausalLM``) is built by its registry name; a holder no name builds (the language
+    model inside a registered multimodal class of the same file) is built from that class's text config.
+    """
     module = module_of(rel)
-    holders = list(outcome.causal_lm) or _registered_classes(module)
+    registered = _registered_classes(module, source)
+    holders = list(outcome.causal_lm) or registered
+    attr = outcome.decoder_attr or "model"
     for holder in holders:
         arch = _architecture(module, holder)
         if arch is not None:
             return Job(file=rel, module=module, decoder=outcome.class_name, causal_lm=holder, architecture=arch,
-                       decoder_attr=outcome.decoder_attr or "model", code=code), ""
+                       decoder_attr=attr, code=code), ""
+    outer = [a for a in (_architecture(module, c) for c in registered) if a is not None]
+    if holders and outer:
+        return Job(file=rel, module=module, decoder=outcome.class_name, causal_lm=holders[0], architecture=holders[0],
+                   decoder_attr=attr, code=code, text_of=outer[0]), ""
     named = ", ".join(holders) or "none"
     return None, (f"no architecture in vLLM's registry builds a class holding {outcome.class_name} "
-                  f"(holders in {rel}: {named}), so vLLM cannot build it by name")
+                  f"(holders in {rel}: {named}; registered classes in it: {', '.join(registered) or 'none'}), "
+                  "so vLLM cannot build it by name")
 
 
-def adapt_files(files: Sequence[str], progress: Callable[[str], None] | None = None) -> list[tuple[str, Any, str | None]]:
-    """(file, decoder outcome, adapted code or None) for every PP decoder in ``files``."""
+def adapt_files(files: Sequence[str], progress: Callable[[str], None] | None = None) -> list[tuple[str, Any, str | None, str]]:
+    """(file, decoder outcome, adapted code or None, installed source) for every PP decoder in ``files``."""
     from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
     from pipespec.errors import UsageError
 
     root = vllm_root()
-    out: list[tuple[str, Any, str | None]] = []
+    out: list[tuple[str, Any, str | None, str]] = []
     for rel in files:
         if progress is not None:
             progress(rel)
@@ -280,7 +294,7 @@ def adapt_files(files: Sequence[str], progress: Callable[[str], None] | None = N
             continue  # no PP decoder in this file
         for outcome in adaptation.decoders:
             adapted = adaptation.code if outcome.status == "adapted" and adaptation.code != code else None
-            out.append((rel, outcome, adapted))
+            out.append((rel, outcome, adapted, code))
     return out
 
 
@@ -292,14 +306,14 @@ def run_vllm_zoo(files: Sequence[str], progress: Any | None = None) -> list[ZooR
         if progress is not None:
             progress.start(len(decoders))
         results = []
-        for rel, outcome, code in decoders:
+        for rel, outcome, code, source in decoders:
             row = ZooResult(file=rel, class_name=outcome.class_name, status="failed", reason="", codemod=outcome.status)
             if outcome.status == "declined":
                 row.status, row.reason = "declined", outcome.reason
             elif outcome.status == "adapted" and code is None:
                 row.reason = "the codemod says adapted but returned the source unchanged"
             else:
-                job, why = _jobs_for(rel, outcome, code)
+                job, why = _jobs_for(rel, outcome, code, source)
                 if job is None:
                     row.reason = why
                 else:
