@@ -411,6 +411,138 @@ def train_draft(
     }
 
 
+# ------------------------------------------------------------- draft on the target's own generations
+@dataclass(frozen=True)
+class GenerationRecipe:
+    """How ``--retrain-draft`` builds its data and trains: EAGLE3's recipe on the target's own outputs."""
+
+    sequences: int = 1536
+    prompt_len: int = 24
+    new_tokens: int = 104
+    gen_batch: int = 64
+    steps: int = 1500
+    batch_size: int = 16
+    lr: float = 2e-3
+    draft_vocab_size: int = 512
+    draft_intermediate_size: int = 416  # 512 would put the shipped weights (fp16) just over 8 MB
+
+
+def generation_prompts(tokenizer: Any, texts: Sequence[str], count: int, length: int, seed: int) -> torch.Tensor:
+    """``[count, length]`` prompts from training files, each starting at a seeded random line start
+    (a third of them at a file's first line, like the demo's prompts); files visited in a seeded order."""
+    gen = torch.Generator().manual_seed(seed + 11)
+    files = [t.splitlines(keepends=True) for t in texts]
+    files = [lines for lines in files if len(lines) >= 20]
+    rows: list[list[int]] = []
+    attempt = 0
+    while len(rows) < count and attempt < 20 * count:
+        lines = files[int(torch.randint(0, len(files), (1,), generator=gen))]
+        start = 0 if attempt % 3 == 0 else int(torch.randint(0, len(lines) - 10, (1,), generator=gen))
+        attempt += 1
+        ids = tokenizer("".join(lines[start : start + 60]), add_special_tokens=False)["input_ids"][:length]
+        if len(ids) == length:
+            rows.append(ids)
+    if len(rows) < count:
+        raise RuntimeError(f"only {len(rows)} of {count} generation prompts of {length} tokens found in the corpus")
+    return torch.tensor(rows, dtype=torch.long)
+
+
+@torch.no_grad()
+def greedy_generations(target: Any, prompts: torch.Tensor, new_tokens: int, batch: int, log: Any) -> torch.Tensor:
+    """The target's greedy continuations (KV-cached, no stop at EOS): ``[N, prompt + new_tokens]`` ids."""
+    out: list[torch.Tensor] = []
+    t0 = time.perf_counter()
+    for lo in range(0, prompts.shape[0], batch):
+        seq = prompts[lo : lo + batch]
+        step = target(input_ids=seq, use_cache=True)
+        past, pieces = step.past_key_values, [seq]
+        nxt = step.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(new_tokens - 1):
+            pieces.append(nxt)
+            step = target(input_ids=nxt, past_key_values=past, use_cache=True)
+            past, nxt = step.past_key_values, step.logits[:, -1].argmax(-1, keepdim=True)
+        pieces.append(nxt)
+        out.append(torch.cat(pieces, dim=1))
+        if lo == 0 or (lo // batch) % 8 == 7:
+            log(f"generations: {lo + seq.shape[0]}/{prompts.shape[0]} sequences  {time.perf_counter() - t0:6.1f}s")
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def aux_features(target: Any, seqs: torch.Tensor, aux_ids: Sequence[int], batch: int) -> torch.Tensor:
+    """``cat(aux states)`` of the target over every sequence, fp16 ``[N, L, len(aux_ids) * H]`` (computed once:
+    the target is frozen, so every draft step reads the same states)."""
+    chunks = []
+    for lo in range(0, seqs.shape[0], batch):
+        _, aux = target_aux_states(target, seqs[lo : lo + batch], aux_ids)
+        chunks.append(torch.cat(aux, dim=-1).to(torch.float16))
+    return torch.cat(chunks)
+
+
+def train_draft_on_generations(
+    draft: Eagle3Draft, target: Any, feats: torch.Tensor, seqs: torch.Tensor, recipe: GenerationRecipe,
+    ttt_steps: int, seed: int, log: Any, max_s: float | None = None,
+) -> dict[str, Any]:
+    """Training-time test on the target's greedy generations: every root in the generated part is unrolled
+    ``ttt_steps`` steps on the draft's own outputs, each step's label the target's greedy next token (the
+    token the sequence holds, since the target wrote it); roots whose label is outside the draft vocabulary
+    or inside the prompt are masked."""
+    gen = torch.Generator().manual_seed(seed + 3)
+    draft.train()
+    draft.embed_tokens = target.get_input_embeddings()  # shared and frozen, as at inference
+    params = [q for name, q in draft.named_parameters() if not name.startswith("embed_tokens.")]
+    for param in target.parameters():
+        param.requires_grad_(False)
+    opt = _optimizer(params, recipe.lr, 0.0, "cpu")
+    t2d = draft.t2d
+    to_draft = torch.cumsum(t2d.long(), 0) - 1  # target id -> draft id (valid where t2d)
+    length = seqs.shape[1]
+    roots = length - 1
+    t0 = time.perf_counter()
+    history: list[tuple[float, list[float]]] = []
+    capped = False
+    for step in range(recipe.steps):
+        if step and time_capped(t0, max_s):
+            capped = True
+            log(f"draft: stopping after {step} of {recipe.steps} steps: --max-train-s {max_s:g} reached")
+            break
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, recipe.steps, recipe.lr)
+        idx = torch.randint(0, seqs.shape[0], (recipe.batch_size,), generator=gen)
+        ids, f = seqs[idx], feats[idx].float()
+        step_logits = ttt_logits(draft, f, ids, ttt_steps)
+        loss = f.new_zeros(())
+        accs: list[float] = []
+        for i, logits_d in enumerate(step_logits):
+            valid = roots - 1 - i  # roots t whose label x[t + 2 + i] is inside the sequence
+            labels = ids[:, 2 + i : 2 + i + valid]
+            generated = torch.arange(valid) + 1 + i >= recipe.prompt_len - 1  # the label was written by the target
+            mask = (t2d[labels] & generated).float()
+            logp = torch.log_softmax(logits_d[:, :valid].float(), dim=-1)
+            nll = -logp.gather(-1, to_draft[labels].clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            loss = loss + (0.8**i) * (nll * mask).sum() / mask.sum().clamp(min=1)
+            hit = (draft.to_target_ids(logits_d[:, :valid].argmax(-1)) == labels).float()
+            accs.append(float((hit * mask).sum() / mask.sum().clamp(min=1)))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        history.append((loss.item(), accs))
+        if step % max(1, recipe.steps // 20) == 0 or step == recipe.steps - 1:
+            recent = history[-50:]
+            acc = [sum(h[1][i] for h in recent) / len(recent) for i in range(ttt_steps)]
+            log(f"draft  step {step:5d}/{recipe.steps}  loss {sum(h[0] for h in recent) / len(recent):.3f}  "
+                f"top-1 agreement per TTT step {[round(a, 3) for a in acc]}  {time.perf_counter() - t0:6.1f}s")
+    draft.eval()
+    recent = history[-50:]
+    return {
+        "final_loss": sum(h[0] for h in recent) / len(recent),
+        "top1_agreement_per_step": [sum(h[1][i] for h in recent) / len(recent) for i in range(ttt_steps)],
+        "seconds": time.perf_counter() - t0,
+        **_steps_record(recipe.steps, len(history), capped, max_s),
+    }
+
+
 # ------------------------------------------------------------------------------------ evaluation
 def evaluate(target: Any, draft: Eagle3Draft, aux_ids: Sequence[int], prompts: Sequence[Sequence[int]],
              new_tokens: int, ks: Sequence[int], log: Any) -> dict[str, Any]:
@@ -470,6 +602,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "(the LR schedule stays the planned steps'; metrics.json records the steps run)")
     parser.add_argument("--eval-only", type=Path, metavar="DIR",
                         help="train nothing: measure DIR/target + DIR/draft (e.g. sdk/pipespec/demo) into OUT/eval.json")
+    parser.add_argument("--retrain-draft", type=Path, metavar="DIR",
+                        help="keep DIR/target (e.g. sdk/pipespec/demo) and train a new draft from scratch on its own "
+                             "greedy generations (EAGLE3's training-time test), on CPU: OUT/target, OUT/draft")
+    parser.add_argument("--init-draft", type=Path, metavar="DIR",
+                        help="--retrain-draft: start from this trained draft (its MLP pruned to the recipe's size, "
+                             "its vocabulary kept) instead of from scratch")
+    parser.add_argument("--draft-lr", type=_positive_seconds, metavar="LR",
+                        help="--retrain-draft: peak learning rate (default 2e-3)")
+    parser.add_argument("--gen-sequences", type=positive_int,
+                        help="--retrain-draft: greedy generations to train on (default 1536)")
     parser.add_argument("--json", action="store_true", help="print metrics.json to stdout at the end")
     return parser.parse_args(argv)
 
@@ -498,6 +640,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.eval_only is not None:
         return eval_only(args, argv, preset_name, p, log)
+    if args.retrain_draft is not None:
+        return retrain_draft(args, argv, preset_name, p, log)
     phases: dict[str, float] = {}
     t = time.perf_counter()
     train_texts, held_texts, corpus = load_corpus(p.max_corpus_chars)
@@ -558,8 +702,112 @@ def main(argv: Sequence[str] | None = None) -> int:
     return finish(metrics, out / "metrics.json", args.json, log)
 
 
+def pruned_draft(path: Path, target: Any, sizes: Preset, aux_ids: Sequence[int]) -> tuple[Eagle3Draft, dict[str, Any]]:
+    """A trained draft (``path``) as the starting point, its MLP cut to ``sizes.draft_intermediate_size``
+    units: the units whose output (``down_proj`` column norm x ``up_proj`` row norm) is smallest go."""
+    loaded = load_draft_checkpoint(path, TargetInfo.from_config(target.config), dtype=torch.float32,
+                                   target_embed=target.get_input_embeddings())
+    old = loaded.model
+    if list(loaded.info.aux_layers) != list(aux_ids):
+        raise RuntimeError(f"--init-draft {path}: aux layers {list(loaded.info.aux_layers)}, expected {list(aux_ids)}")
+    draft_ids = old.to_target_ids(torch.arange(old.d2t.numel()))
+    draft = make_draft(sizes, target.config, draft_ids, aux_ids)
+    state = {k: v for k, v in old.state_dict().items() if not k.startswith("embed_tokens.")}
+    mlp = old.midlayer.mlp
+    units = mlp.up_proj.weight.shape[0]
+    keep_n = sizes.draft_intermediate_size
+    if keep_n > units:
+        raise RuntimeError(f"--init-draft {path}: {units} MLP units, cannot grow to {keep_n}")
+    score = mlp.down_proj.weight.norm(dim=0) * mlp.up_proj.weight.norm(dim=1)
+    keep = score.topk(keep_n).indices.sort().values
+    for name in ("gate_proj", "up_proj"):
+        state[f"midlayer.mlp.{name}.weight"] = state[f"midlayer.mlp.{name}.weight"][keep]
+    state["midlayer.mlp.down_proj.weight"] = state["midlayer.mlp.down_proj.weight"][:, keep]
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if not m.startswith("embed_tokens.")]:
+        raise RuntimeError(f"--init-draft {path}: state does not fit the draft (missing {missing}, unexpected {unexpected})")
+    return draft, {"from": str(path), "intermediate_from": units, "intermediate_to": keep_n}
+
+
+def retrain_draft(args: argparse.Namespace, argv: Sequence[str] | None, preset_name: str, p: Preset, log: Any) -> int:
+    """``--retrain-draft DIR``: keep DIR/target, train a new draft from scratch on its greedy generations."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    recipe = GenerationRecipe(**{k: v for k, v in (("sequences", args.gen_sequences), ("steps", args.draft_steps),
+                                                    ("batch_size", args.batch_size), ("lr", args.draft_lr))
+                                  if v is not None})
+    source: Path = args.retrain_draft / "target"
+    out: Path = args.out
+    target_dir, draft_dir = out / "target", out / "draft"
+    if target_dir.resolve() != source.resolve():
+        shutil.copytree(source, target_dir, dirs_exist_ok=True)
+    phases: dict[str, float] = {}
+    t = time.perf_counter()
+    train_texts, held_texts, corpus = load_corpus(p.max_corpus_chars)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    prompts = generation_prompts(tokenizer, train_texts, recipe.sequences, recipe.prompt_len, args.seed)
+    held = eval_prompts(tokenizer, held_texts, p.eval_prompts, p.eval_prompt_len, args.seed)
+    seqs = greedy_generations(target, prompts, recipe.new_tokens, recipe.gen_batch, log)
+    phases["generations_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    aux_ids = eagle3_default_aux_ids(int(target.config.num_hidden_layers))
+    feats = aux_features(target, seqs, aux_ids, recipe.gen_batch)
+    phases["aux_states_s"] = time.perf_counter() - t
+    log(f"data: {seqs.shape[0]} greedy generations of {recipe.new_tokens} tokens after {recipe.prompt_len}-token "
+        f"prompts; aux states {tuple(feats.shape)} fp16 ({feats.numel() * 2 / 1e6:.0f} MB)")
+    generated = seqs[:, recipe.prompt_len :].reshape(-1)
+    sizes = replace(p, hidden_size=int(target.config.hidden_size), num_heads=int(target.config.num_attention_heads),
+                    num_kv_heads=int(target.config.num_key_value_heads),
+                    draft_intermediate_size=recipe.draft_intermediate_size)
+    init: dict[str, Any] = {"from": "scratch"}
+    if args.init_draft is not None:
+        draft, init = pruned_draft(args.init_draft, target, sizes, aux_ids)
+        draft_ids = draft.to_target_ids(torch.arange(draft.d2t.numel()))
+        log(f"draft: starting from {args.init_draft} ({init['intermediate_from']} -> {init['intermediate_to']} MLP units, "
+            "the least used pruned; its vocabulary kept)")
+    else:
+        draft_ids = draft_vocabulary(generated, int(target.config.vocab_size), recipe.draft_vocab_size)
+        draft = make_draft(sizes, target.config, draft_ids, aux_ids)
+    coverage = float(torch.isin(generated, draft_ids).float().mean())
+    draft_params = sum(q.numel() for name, q in draft.named_parameters() if not name.startswith("embed_tokens."))
+    log(f"draft: EAGLE3, {draft_params:,} parameters (+ the target's embedding, shared), aux ids {list(aux_ids)}, "
+        f"draft vocab {draft_ids.numel()} (covers {coverage:.1%} of generated tokens), {p.ttt_steps} TTT steps")
+    draft_stats = train_draft_on_generations(draft, target, feats, seqs, recipe, p.ttt_steps, args.seed, log,
+                                             args.max_train_s)
+    phases["draft_training_s"] = draft_stats["seconds"]
+    draft.embed_tokens = None
+    save_draft_checkpoint(draft, draft_dir, format="B", aux_layers=aux_ids, include_embedding=False,
+                          dtype=torch.float16, verifier="pipespec-demo-target", num_speculative_tokens=3)
+    from pipespec.cli.demo import SHIPPED_PROMPTS
+
+    demo_prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in SHIPPED_PROMPTS]
+    demo_eval, _ = evaluate_checkpoints(target_dir, draft_dir, demo_prompts, 64, "cpu", log, ks=(3,))
+    evaluation, sample = evaluate_checkpoints(target_dir, draft_dir, held, p.eval_new_tokens, "cpu", log, ks=(3,))
+    phases["evaluation_s"] = demo_eval["seconds"] + evaluation["seconds"]
+    metrics = {
+        **run_record(argv, "cpu", preset_name, p, args.seed),
+        "recipe": {"kind": "EAGLE3 training-time test on the target's own greedy generations", **asdict(recipe),
+                   "ttt_steps": p.ttt_steps, "target": str(source)},
+        "corpus": corpus,
+        "target": {"parameters": sum(q.numel() for q in target.parameters()), "kept_from": str(source)},
+        "draft": {"parameters": draft_params, "aux_layers": list(aux_ids), "format": "B", "init": init,
+                  "draft_vocab_coverage_of_generations": coverage, **draft_stats},
+        "demo_prompts_evaluation": demo_eval,
+        "evaluation": evaluation,
+        "sample": sample,
+        "sizes": checkpoint_sizes(target_dir, draft_dir),
+        "phases_s": phases,
+        "total_s": sum(phases.values()),
+    }
+    return finish(metrics, out / "metrics.json", args.json, log)
+
+
 def evaluate_checkpoints(
-    target_dir: Path, draft_dir: Path, prompts: Sequence[Sequence[int]], new_tokens: int, device: str, log: Any
+    target_dir: Path, draft_dir: Path, prompts: Sequence[Sequence[int]], new_tokens: int, device: str, log: Any,
+    ks: Sequence[int] = (3, 5),
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Load the written checkpoints (float32) and measure them; also a decoded sample continuation."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -569,7 +817,7 @@ def evaluate_checkpoints(
                                    device=device, target_embed=target.get_input_embeddings())
     log(f"evaluating {draft_dir} ({loaded.info.format_name}, aux ids {list(loaded.info.aux_layers)}, convention "
         f"{loaded.info.aux_convention}) against {target_dir} on {len(prompts)} prompts")
-    evaluation = evaluate(target, loaded.model, loaded.info.aux_layers, prompts, new_tokens, (3, 5), log)
+    evaluation = evaluate(target, loaded.model, loaded.info.aux_layers, prompts, new_tokens, ks, log)
     tok = AutoTokenizer.from_pretrained(target_dir)
     sample = {"prompt": tok.decode(prompts[0]) if prompts else "",
               "greedy_continuation": tok.decode(evaluation.pop("sample_output_ids"))}

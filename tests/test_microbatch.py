@@ -26,7 +26,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pipespec.cli import main
 from pipespec.engine import step as stepmsg
 from pipespec.engine.job import build_requests
-from pipespec.engine.microbatch import Scheduler, default_micro_batches
+from pipespec.engine.microbatch import (
+    MIN_TOKENS_PER_FORWARD,
+    Scheduler,
+    default_micro_batches,
+    micro_batch_rule,
+)
 from pipespec.engine.testing import write_tiny_draft, write_tiny_target
 from pipespec.errors import UsageError
 
@@ -52,7 +57,29 @@ def test_sequences_are_spread_over_micro_batches_in_request_order() -> None:
     assert sched.admit(second) == [3, 4]
     assert [(x.slot, x.request, x.generation) for x in sched.launch(first)] == [(0, 0, 0), (1, 1, 0), (2, 2, 0)]
     assert sched.next_micro_batch() is first  # round-robin
-    assert default_micro_batches(4, 2) == 2 and default_micro_batches(2, 8) == 2 and default_micro_batches(4, 8, 3) == 3
+
+
+@pytest.mark.parametrize(("pp", "requests", "cap", "tokens_per_row", "device", "expected"), [
+    (4, 2, None, 4, "cpu", 1),  # 1 row x 4 tokens per micro-batch: far below the threshold
+    (2, 8, None, 4, "cpu", 1),  # c = 8, k = 3: 16 tokens per micro-batch forward
+    (2, 32, None, 4, "cpu", 2),  # c = 32, k = 3: 64
+    (2, 32, None, 1, "cpu", 1),  # c = 32, plain decoding: 16
+    (2, 128, None, 1, "cpu", 2),  # c = 128, plain decoding: 64
+    (4, 128, 64, 4, "cpu", 4),  # capped at 64 running: 16 rows x 4 per micro-batch
+    (2, 32, None, 4, "cuda", 1),  # 64 tokens: measured 14-23 % slower on 2x H200
+    (2, 128, None, 4, "cuda", 2),  # 256 tokens: measured 1.44-2.02x
+    (2, 128, None, 4, "xpu", 2),  # no threshold of its own: CUDA's
+    (3, 2, None, 400, "cuda", 2),  # never more micro-batches than sequences
+    (1, 500, None, 4, "cuda", 1),  # one stage
+])
+def test_the_default_micro_batch_count_follows_tokens_per_forward(
+    pp: int, requests: int, cap: int | None, tokens_per_row: int, device: str, expected: int
+) -> None:
+    count, why = micro_batch_rule(pp, requests, cap, tokens_per_row=tokens_per_row, device_type=device)
+    assert count == expected == default_micro_batches(pp, requests, cap, tokens_per_row=tokens_per_row, device_type=device)
+    assert ("one micro-batch" in why) == (expected == 1)
+    if pp > 1 and expected == 1 and requests > 1:
+        assert f"< {MIN_TOKENS_PER_FORWARD.get(device, MIN_TOKENS_PER_FORWARD['cuda'])}" in why
 
 
 def test_a_slot_is_reused_only_after_its_in_flight_message_is_drained() -> None:
@@ -273,13 +300,13 @@ def test_micro_batches_are_token_exact_with_one_batch_in_flight(model: dict[str,
     one = _generate(capsys, model, "prompts", "--pp", "2", "--micro-batches", "1")
     assert one["micro_batches"] == 1 and _per_sequence(one) == _per_sequence(base)
     for extra, micro_batches, slots in (
-        (["--pp", "2"], 2, 4),
-        (["--pp", "3", "--partition", "1,2,1", "--max-num-seqs", "4"], 3, 2),
-        (["--pp", "4"], 4, 2),
+        (["--pp", "2", "--micro-batches", "2"], 2, 4),
+        (["--pp", "3", "--partition", "1,2,1", "--max-num-seqs", "4", "--micro-batches", "3"], 3, 2),
+        (["--pp", "4", "--micro-batches", "4"], 4, 2),
         # Fixed KV buffers and draft storage (CUDA graphs, emulated on CPU) through EOS, cancellations and
         # requests admitted into freed slots.
-        (["--pp", "2", "--cuda-graphs", "on"], 2, 4),
-        (["--pp", "3", "--partition", "1,2,1", "--max-num-seqs", "4", "--cuda-graphs", "on"], 3, 2),
+        (["--pp", "2", "--cuda-graphs", "on", "--micro-batches", "2"], 2, 4),
+        (["--pp", "3", "--partition", "1,2,1", "--max-num-seqs", "4", "--cuda-graphs", "on", "--micro-batches", "3"], 3, 2),
     ):
         result = _generate(capsys, model, "prompts", *extra)
         assert (result["micro_batches"], result["slots_per_micro_batch"]) == (micro_batches, slots), extra

@@ -55,10 +55,36 @@ from pipespec.errors import UsageError
 Status = Literal["waiting", "running", "finished", "cancelled"]
 
 
-def default_micro_batches(pp: int, num_requests: int, max_num_seqs: int | None = None) -> int:
-    """``--micro-batches`` when not given: P, or fewer when fewer sequences can run at once."""
+# The default micro-batch rule: P micro-batches only when each one's verify forward carries at least
+# this many tokens (rows x tokens per row), else one. Measured (docs/benchmarks.md, "Micro-batches by
+# measurement"): on 2x H200 a decode forward at <= 64 tokens per micro-batch reads the weights whatever
+# the rows, so two micro-batches cost 14-23 % (c = 8 and 32 at k = 3: 16 and 64 tokens per micro-batch),
+# and pay 1.44-2.02x at 256 (c = 128, k = 3). On the 2-core CPU machine see MIN_TOKENS_CPU.
+MIN_TOKENS_PER_FORWARD = {"cuda": 256, "cpu": 64}
+
+
+def micro_batch_rule(pp: int, num_requests: int, max_num_seqs: int | None = None, *, tokens_per_row: int = 1,
+                     device_type: str = "cpu") -> tuple[int, str]:
+    """``--micro-batches`` when not given, and why: P (or fewer when fewer sequences can run at once)
+    when each micro-batch's verify forward would carry ``MIN_TOKENS_PER_FORWARD[device_type]`` tokens
+    or more — ``ceil(running / P)`` rows of ``tokens_per_row`` (k + 1 when drafting, 1 for plain
+    decoding) — else 1. Device types without a measured threshold use CUDA's."""
     running = min(num_requests, max_num_seqs or num_requests)
-    return max(1, min(pp, running))
+    most = max(1, min(pp, running))
+    if most == 1:
+        return 1, "one micro-batch: one stage or one sequence at a time"
+    need = MIN_TOKENS_PER_FORWARD.get(device_type, MIN_TOKENS_PER_FORWARD["cuda"])
+    tokens = math.ceil(running / most) * tokens_per_row
+    if tokens >= need:
+        return most, f"{most} micro-batches: {tokens} tokens per micro-batch forward >= {need} on {device_type}"
+    return 1, (f"one micro-batch: {most} would carry {tokens} tokens per forward each, < {need} on {device_type} "
+               "(where more micro-batches were measured slower)")
+
+
+def default_micro_batches(pp: int, num_requests: int, max_num_seqs: int | None = None, *, tokens_per_row: int = 1,
+                          device_type: str = "cpu") -> int:
+    """The count ``micro_batch_rule`` picks."""
+    return micro_batch_rule(pp, num_requests, max_num_seqs, tokens_per_row=tokens_per_row, device_type=device_type)[0]
 
 
 @dataclass

@@ -43,30 +43,45 @@ so a plain round costs what ``--num-spec-tokens 0`` costs and drafting resumes w
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Policy = Literal["always", "adaptive"]
 POLICIES: tuple[str, ...] = ("always", "adaptive")
+TRACE_DECISIONS = 64  # decisions kept in the trace (the count of all of them is kept too)
+TRACE_ROUNDS = 512  # per-round costs kept in the trace: [speculated, tokens, ms since the last round, rows, draft ms, load, prefill]
 
 
 @dataclass
 class _Window:
+    """The measured rounds of one mode in the current cycle."""
+
     tokens: int = 0
-    seconds: float = 0.0
-    rounds: int = 0
     rows: int = 0  # sequences verified (a plain round commits exactly one token per row)
     draft_seconds: float = 0.0
+    intervals: list[float] = field(default_factory=list)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.intervals)
+
+    @property
+    def seconds(self) -> float:
+        """The window's time with every interval at the median: one round stalled by another process on
+        a shared machine (or a collective's jitter) moves a sum of four intervals by its whole stall, the
+        median not at all."""
+        return statistics.median(self.intervals) * self.rounds if self.intervals else 0.0
 
     @property
     def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        seconds = self.seconds
+        return self.tokens / seconds if seconds > 0 else 0.0
 
     @property
     def plain_bound(self) -> float:
-        """Of a speculative window: the most tokens/s plain decoding could reach on the same rounds —
-        one token per row, in the round time less the draft's (verifying one position instead of k + 1
-        costs at most what verifying k + 1 did)."""
+        """Of a speculative window: plain decoding's estimated best tokens/s on the same rounds — one token
+        per row, in the round time less the draft's."""
         rest = self.seconds - self.draft_seconds
         return self.rows / rest if rest > 0 else float("inf")
 
@@ -75,53 +90,72 @@ class _Window:
 class SpecPolicy:
     """The per-round speculate-or-not decision of the last stage (see the module docstring).
 
-    ``window``: measured rounds per mode; ``settle``: rounds skipped after a switch (the pipeline still
-    holds rounds of the old mode: pass the number of micro-batches); ``exploit``/``max_exploit``: the
-    winner runs for this many times the seconds spent in the loser during the measuring (doubling while the same mode
-    keeps winning), so probing the loser costs at most ``1 / (1 + exploit)`` of the time, falling to
-    ``1 / (1 + max_exploit)``; ``margin``: how much faster plain decoding must be to be chosen;
-    ``bound_slack``: how far drafting must beat plain decoding's estimated best rate for plain decoding
-    not to be measured at all; ``load_ratio``: the change in running sequences (either way) that
-    restarts the measuring (smaller changes wait for the next cycle: every restart costs two windows);
-    ``warmup``: rounds left unmeasured at the start (the worker passes a few per micro-batch).
+    ``window``: measured rounds per mode and cycle; ``settle``: rounds skipped after a switch (the pipeline
+    still holds rounds of the old mode: pass the number of micro-batches); ``probe_loss``: the share of
+    throughput the measuring of the losing mode may cost — the winner runs for ``gap / probe_loss`` times
+    the seconds the loser cost in the cycle (``gap`` = 1 − loser ÷ winner), at least ``exploit`` and at
+    most ``max_exploit`` times, and at least twice as long as in the previous cycle while the same mode
+    keeps winning; ``margin``: how much faster the other mode must be to be switched to (hysteresis; the
+    first decision prefers speculating); ``bound_slack``: how far drafting must beat plain decoding's
+    estimated best rate for plain decoding not to be measured at all, ``few_rows_slack`` when a round
+    verifies ``few_rows`` sequences or fewer on average (there a verify forward is bound by launches or
+    by reading the weights, and the estimate is close: plain decoding reached 1.1x it at c = 1 on 2x H200
+    with CUDA graphs, 1.9x at c = 8); ``load_ratio``: the change in
+    running sequences (either way) that restarts the measuring; ``warmup``: rounds left unmeasured at
+    the start (the worker passes a few per micro-batch).
     """
 
     policy: Policy = "adaptive"
     window: int = 4
     settle: int = 1
-    exploit: float = 6.0
-    max_exploit: float = 48.0
+    exploit: float = 4.0
+    max_exploit: float = 64.0
+    probe_loss: float = 0.01
     margin: float = 0.03
+    clear: float = 1.3
     bound_slack: float = 2.5
+    few_rows: int = 2
+    few_rows_slack: float = 1.5
     load_ratio: float = 2.0
     warmup: int = 0
     switches: int = 0
     plain_rounds: int = 0
     spec_rounds: int = 0
+    load_changes: int = 0
     _mode: bool = True  # the mode being run now: True = speculate
-    _measuring: list[bool] = field(default_factory=lambda: [True, False])  # modes still to measure, in order
+    _measuring: list[bool] = field(default_factory=lambda: [True, False, True])  # blocks still to measure, in order
     _skip: int = 0  # rounds still to skip after a switch
     _exploit_until: float = 0.0
     _factor: float = 0.0
     _measured: dict[bool, _Window] = field(default_factory=lambda: {True: _Window(), False: _Window()})
     _spent: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})  # seconds per mode, this cycle
+    _start: float | None = None
     _last: float | None = None
-    _last_best: bool = True
+    _best: bool | None = None  # the last cycle's winner (None before the first decision)
     _decided: tuple[float, float] = (0.0, 0.0)  # (speculate, plain) tokens/s behind the last decision
     _plain_bounded: bool = False  # the plain figure is the bound, not a measurement
     _load: int | None = None  # running sequences when the current cycle started (None: not given)
-    load_changes: int = 0
+    _rounds: int = 0
+    _block: int = 0  # rounds measured in the current block
+    _decisions: list[dict[str, Any]] = field(default_factory=list)
+    _decision_count: int = 0
+    _round_costs: list[list[float]] = field(default_factory=list)
+    _exploit_s: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})  # seconds outside measuring
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown speculation policy {self.policy!r}: use one of {', '.join(POLICIES)}")
         if self.load_ratio <= 1:
             raise ValueError(f"load_ratio must be > 1, got {self.load_ratio}")
-        if self.bound_slack < 1:
-            raise ValueError(f"bound_slack must be >= 1, got {self.bound_slack}")
+        if self.bound_slack < 1 or self.few_rows_slack < 1:
+            raise ValueError(f"bound_slack must be >= 1, got {self.bound_slack} (few_rows_slack {self.few_rows_slack})")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if not 0 < self.probe_loss < 1:
+            raise ValueError(f"probe_loss must be in (0, 1), got {self.probe_loss}")
         self._skip = self.warmup
+        if self.clear <= 1:
+            raise ValueError(f"clear must be > 1, got {self.clear}")
         if self.window < 1 or self.settle < 0 or self.exploit <= 0 or self.max_exploit < self.exploit:
             raise ValueError(f"window must be >= 1, settle >= 0 and 0 < exploit <= max_exploit, got {self.window}, "
                              f"{self.settle}, {self.exploit} and {self.max_exploit}")
@@ -134,7 +168,17 @@ class SpecPolicy:
         if mode != self._mode:
             self.switches += 1
             self._skip = self.settle
+            self._block = 0
         self._mode = mode
+
+    def _note(self, now: float, reason: str, **rates: float) -> None:
+        """One entry of the decision trace: what runs from now on and why."""
+        self._decision_count += 1
+        if len(self._decisions) < TRACE_DECISIONS:
+            at = now - self._start if self._start is not None else 0.0
+            self._decisions.append({"round": self._rounds, "at_s": round(at, 4),
+                                    "mode": "speculate" if self._mode else "plain", "reason": reason,
+                                    **{k: round(v, 1) for k, v in rates.items()}})
 
     def record(self, speculated: bool, tokens: int, now: float, prefill: bool = False, rows: int = 0,
                draft_seconds: float = 0.0, load: int | None = None) -> None:
@@ -144,6 +188,12 @@ class SpecPolicy:
         decoding is always measured, never bounded), and the running sequences now (``load``, optional:
         a change restarts the measuring)."""
         last, self._last = self._last, now
+        self._rounds += 1
+        if len(self._round_costs) < TRACE_ROUNDS:
+            self._round_costs.append([int(speculated), tokens, round((now - last) * 1e3, 3) if last is not None else 0.0,
+                                      rows, round(draft_seconds * 1e3, 3), -1 if load is None else load, int(prefill)])
+        if self._start is None:
+            self._start = now
         if speculated:
             self.spec_rounds += 1
         else:
@@ -156,9 +206,11 @@ class SpecPolicy:
             if self._load is not None:
                 self.load_changes += 1
                 self._start_measuring()
+                self._note(now, f"load {self._load} -> {load} running sequences: measuring again")
             self._load = load
             return
         if not self._measuring:  # exploiting the winner
+            self._exploit_s[speculated] += now - last
             if now >= self._exploit_until:
                 self._start_measuring()
             return
@@ -171,37 +223,72 @@ class SpecPolicy:
             self._skip -= 1
             return
         w = self._measured[speculated]
-        w.tokens, w.seconds, w.rounds = w.tokens + tokens, w.seconds + (now - last), w.rounds + 1
-        w.rows, w.draft_seconds = w.rows + rows, w.draft_seconds + draft_seconds
-        if w.rounds < self.window:
+        w.tokens, w.rows, w.draft_seconds = w.tokens + tokens, w.rows + rows, w.draft_seconds + draft_seconds
+        w.intervals.append(now - last)
+        self._block += 1
+        if self._block < self.window:
             return
+        self._block = 0
         self._measuring.pop(0)
         spec, plain = self._measured[True], self._measured[False]
-        if speculated and self._measuring and w.rows and spec.rate > spec.plain_bound * self.bound_slack:
+        slack = self.few_rows_slack if spec.rows <= self.few_rows * spec.rounds else self.bound_slack
+        if speculated and self._measuring and w.rows and spec.rate > spec.plain_bound * slack:
             # Drafting beats plain decoding's estimated best by far: no need to run plain to know.
             self._decided, self._plain_bounded = (spec.rate, spec.plain_bound), True
-            self._last_best, self._measuring, self._exploit_until = True, [], now  # keep measuring drafting
+            self._best, self._measuring, self._exploit_until = True, [], now  # keep measuring drafting
             return
+        if self._measuring and spec.rounds and plain.rounds and self._clear(spec.rate, plain.rate):
+            self._measuring = []  # one block of each already tells them apart: no bracketing block
         if self._measuring:
             self._switch(self._measuring[0])
             return
-        self._decided, self._plain_bounded = (spec.rate, plain.rate), False
-        best = not plain.rate > spec.rate * (1 + self.margin)
-        repeated = self._factor > 0 and best == self._last_best
-        self._factor = min(2 * self._factor, self.max_exploit) if repeated else self.exploit
-        self._last_best = best
+        self._decide(now, spec.rate, plain.rate)
+
+    def _clear(self, spec: float, plain: float) -> bool:
+        """Whether one block of each mode differs by ``clear`` or more (either way)."""
+        low, high = sorted((spec, plain))
+        return low <= 0 or high >= low * self.clear
+
+    def _decide(self, now: float, spec: float, plain: float) -> None:
+        """Both modes measured this cycle: run the faster for a time set by how much the slower costs."""
+        self._decided, self._plain_bounded = (spec, plain), False
+        current = True if self._best is None else self._best  # hysteresis: the standing winner keeps ties
+        other = plain if current else spec
+        mine = spec if current else plain
+        best = (not current) if other > mine * (1 + self.margin) else current
+        winner, loser = (spec, plain) if best else (plain, spec)
+        gap = 1.0 - loser / winner if winner > 0 else 0.0
+        factor = max(self.exploit, gap / self.probe_loss)
+        if self._best == best and self._factor:
+            factor = max(factor, 2 * self._factor)  # the same winner again: probe half as often
+        self._factor = min(factor, self.max_exploit)
+        reason = ("drafting measured faster" if best else "plain decoding measured faster") + (
+            "" if self._best is None or best == self._best else " (switched)")
+        self._best = best
         # The loser's whole cost this cycle (settling rounds included) sets how long the winner runs.
         self._exploit_until = now + self._factor * self._spent[not best]
         self._switch(best)
+        self._note(now, reason, speculate_tps=spec, plain_tps=plain, exploit_factor=self._factor)
 
     def _start_measuring(self) -> None:
-        """A new measuring cycle: both modes measured afresh, the current one first (one switch fewer)."""
-        self._measuring = [self._mode, not self._mode]
+        """A new measuring cycle: both modes measured afresh in blocks current, other, current — the other
+        mode's block bracketed by two of the current one, so a machine that slows down or speeds up during
+        the cycle (other processes on a shared CPU) moves both modes' figures alike."""
+        self._measuring = [self._mode, not self._mode, self._mode]
         self._measured = {True: _Window(), False: _Window()}
         self._spent = {True: 0.0, False: 0.0}
+        self._block = 0
 
     def rates(self) -> dict[str, float]:
         """The tokens/s of each mode behind the last decision (0.0 before the first one); ``plain_bound``
         says the plain figure is the upper bound from a speculative window, not a measurement."""
         return {"speculate": round(self._decided[0], 2), "plain": round(self._decided[1], 2),
                 "plain_bound": self._plain_bounded}
+
+    def trace(self) -> dict[str, Any]:
+        """The decision trace for ``--json``: rounds per mode, switches, load restarts, and each decision
+        (round, seconds since the first round, the mode chosen, why, and the rates behind it)."""
+        return {"spec_rounds": self.spec_rounds, "plain_rounds": self.plain_rounds, "switches": self.switches,
+                "load_changes": self.load_changes, "decisions": self._decision_count,
+                "exploit_s": {"speculate": round(self._exploit_s[True], 4), "plain": round(self._exploit_s[False], 4)},
+                "trace": list(self._decisions), "rounds": list(self._round_costs)}

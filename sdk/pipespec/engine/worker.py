@@ -55,7 +55,7 @@ from pipespec.engine import step as stepmsg
 from pipespec.engine.cuda_graphs import GraphedForwards, GraphMode
 from pipespec.engine.draft_graph import DraftGraphRunner
 from pipespec.engine.job import GenerateJob, Request
-from pipespec.engine.microbatch import Launch, MicroBatch, Scheduler, default_micro_batches
+from pipespec.engine.microbatch import Launch, MicroBatch, Scheduler, micro_batch_rule
 from pipespec.engine.phases import PhaseClock, maybe_profile
 from pipespec.engine.row_batch import RowBatch, batchable, pad_rows, to_device
 from pipespec.engine.slot_cache import SlotStore, slot_bytes
@@ -150,7 +150,12 @@ class StageRunner:
         self.k = job.num_spec_tokens
         self.eos = eos
         self.seqs = [SeqState(r) for r in job.requests]
-        micro_batches = job.micro_batches or default_micro_batches(ctx.world_size, len(self.seqs), job.max_num_seqs)
+        if job.micro_batches:
+            micro_batches, self.micro_batch_reason = job.micro_batches, f"--micro-batches {job.micro_batches}"
+        else:
+            micro_batches, self.micro_batch_reason = micro_batch_rule(
+                ctx.world_size, len(self.seqs), job.max_num_seqs, tokens_per_row=self.k + 1,
+                device_type=torch.device(ctx.device).type)
         self.scheduler = Scheduler(
             len(self.seqs), micro_batches, max_num_seqs=job.max_num_seqs, cancel_after=[r.cancel_after for r in job.requests]
         )
@@ -206,7 +211,9 @@ class StageRunner:
                 store = SlotStore(target.new_cache, self.slots, capacity, ctx.device)
                 self.stores.append(store)
                 self.graphed[id(store.cache)] = GraphedForwards(target, store, self.graph_mode, pool)
-        self.policy = SpecPolicy(job.spec_policy, settle=micro_batches, warmup=POLICY_WARMUP_ROUNDS * micro_batches) if ctx.is_last and self.k else None  # type: ignore[arg-type]
+        # Rounds still in flight from the old mode after a switch are told apart by what they carried; one
+        # more round is skipped: its interval spans the pipeline's change of mode.
+        self.policy = SpecPolicy(job.spec_policy, settle=1, warmup=POLICY_WARMUP_ROUNDS * micro_batches) if ctx.is_last and self.k else None  # type: ignore[arg-type]
         # Positions verified while not speculating, per request, waiting for the draft (last stage).
         self.backlog: dict[int, list[tuple[torch.Tensor, list[int]]]] = {}
         self.backlog_positions: dict[int, int] = {}  # positions held per request (the sum of its backlog)
@@ -774,9 +781,11 @@ def stage_main(ctx: StageContext, job: GenerateJob) -> dict[str, Any]:
         "num_steps": max(len(s.acceptance) + s.plain_steps for s in runner.seqs),
         "spec_policy": job.spec_policy,
         **({"spec_rounds": runner.policy.spec_rounds, "plain_rounds": runner.policy.plain_rounds,
-            "policy_switches": runner.policy.switches, "policy_load_changes": runner.policy.load_changes, "policy_rates": runner.policy.rates()} if runner.policy else {}),
+            "policy_switches": runner.policy.switches, "policy_load_changes": runner.policy.load_changes,
+            "policy_rates": runner.policy.rates(), "policy_trace": runner.policy.trace()} if runner.policy else {}),
         "batched_forwards": runner.batched,
         "micro_batches": runner.scheduler.num_micro_batches,
+        "micro_batches_why": runner.micro_batch_reason,
         "slots_per_micro_batch": runner.slots,
         "max_num_seqs": runner.scheduler.capacity,
         "rounds": runner.step,
