@@ -11,12 +11,16 @@ workers with no state of ours travelling along::
 It lives in the original module's package, so package-relative imports of an in-tree file keep working;
 an out-of-tree module (outside ``vllm``) is rewritten with absolute imports. ``AdaptedModuleFinder`` (a
 ``sys.meta_path`` finder the plugin installs in every process) builds the module on first import: from
-the cache file keyed by source hash + pipespec version when there is one, else by running the codemod
-(in memory) and writing the cache. Imports vLLM only through the original module it adapts.
+the cache file (``PIPESPEC_VLLM_CACHE``, default ``~/.cache/pipespec/vllm``) keyed by the source's hash,
+pipespec's version, the codemod's own files and the spec, when an earlier process wrote it; else by
+running the codemod in memory (a few seconds) and writing that file (``PIPESPEC_VLLM_CACHE=`` (empty):
+memory only). The cache directory is trusted like vLLM's own compile cache: its files are executed.
+Imports vLLM only through the original module it adapts.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.abc
@@ -134,12 +138,23 @@ def _cache_dir() -> Path | None:
     return Path(base) / "pipespec" / "vllm"
 
 
+@functools.lru_cache(maxsize=1)
+def _codemod_fingerprint() -> str:
+    """Hash of the codemod package's own files: a changed codemod never reuses an old cache entry."""
+    import pipespec.codemods
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(pipespec.codemods.__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def _cache_path(module_name: str, source: str, spec: SpecChoice) -> Path | None:
     directory = _cache_dir()
     if directory is None:
         return None
     key = hashlib.sha256()
-    for part in (source, pipespec.__version__, module_name, repr(spec.spec)):
+    for part in (source, pipespec.__version__, _codemod_fingerprint(), module_name, repr(spec.spec)):
         key.update(part.encode())
         key.update(b"\0")
     return directory / f"{module_name.rpartition('.')[2]}-{key.hexdigest()[:16]}.py"
@@ -174,6 +189,9 @@ def build_adapted_source(module_name: str) -> AdaptedSource:
     source = Path(source_file).read_text(encoding="utf-8")
     spec = choose_spec(architecture, cls)
     cache_file = _cache_path(module_name, source, spec)
+    if cache_file is not None and cache_file.is_file():  # written by an earlier process: only adapted code is
+        return AdaptedSource(module_name, original, class_name, architecture, cache_file.read_text(encoding="utf-8"),
+                             source_file, spec, "adapted", "", cache_file)
     from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
 
     in_tree = original.startswith("vllm.")
@@ -186,8 +204,7 @@ def build_adapted_source(module_name: str) -> AdaptedSource:
         )
     code = adaptation.code
     if cache_file is not None and outcome.status == "adapted":
-        if not (cache_file.is_file() and cache_file.read_text(encoding="utf-8") == code):
-            cache_file = cache_file if _write_atomically(cache_file, code) else None
+        cache_file = cache_file if _write_atomically(cache_file, code) else None
     else:
         cache_file = None
     return AdaptedSource(module_name, original, class_name, architecture, code, source_file, spec,
