@@ -1,0 +1,467 @@
+"""The vllm dialect (``adapt_vllm_native``): vLLM's own EAGLE3-over-PP contract, on real vLLM 0.32 files.
+
+Golden fixtures are byte-exact copies of vLLM 0.32's model files (tests/fixtures/vllm_native/) with
+their committed outputs; the rest are before/after strings of each loop form, each decline reason, the
+usage errors and the CLI's refusals (exit 2, nothing written). The import of the outputs inside real
+vLLM is tests/vllm/test_codegen_import.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
+from pipespec.errors import UsageError
+from pipespec.spec import AdapterSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "vllm_native"
+ADAPTER_GEN = str(Path(sys.executable).parent / "adapter-gen")
+# file -> (decoder, status, holders, decoder attribute): what each golden fixture covers
+GOLDEN = {
+    "gemma2": ("Gemma2Model", "adapted", ("Gemma2ForCausalLM",), "model"),  # islice loop made enumerate
+    "qwen3_moe": ("Qwen3MoeModel", "adapted", ("Qwen3MoeForCausalLM",), "model"),  # PP=1-only capture rewritten
+    "gpt2": ("GPT2Model", "adapted", ("GPT2LMHeadModel",), "transformer"),  # no residual, .transformer, .wte
+    "solar": ("SolarModel", "adapted", ("SolarForCausalLM",), "model"),  # range loop, first-rank-only embedding
+    "qwen3_vl_moe": ("Qwen3MoeLLMModel", "adapted", ("Qwen3MoeLLMForCausalLM",), "model"),  # islice(enumerate(...))
+    "step1": ("StepDecoderModel", "adapted", ("Step1ForCausalLM",), "model"),  # enumerate over a slice
+    "llama": ("LlamaModel", "unchanged", ("LlamaForCausalLM",), "model"),  # already PP-correct: byte-identical
+}
+pytestmark = pytest.mark.timeout(120)
+
+
+def label(name: str) -> str:
+    return f"vllm/model_executor/models/{name}.py (vllm 0.32.0)"
+
+
+def adapt(code: str, **kwargs: object):  # type: ignore[no-untyped-def]
+    return adapt_vllm_module(textwrap.dedent(code), label="toy.py", **kwargs)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------- golden files
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_golden_fixture_output_is_the_committed_file(name: str) -> None:
+    """Each real vLLM file adapts to its committed output byte for byte, with the outcome it covers."""
+    source = (FIXTURES / f"{name}.py").read_text()
+    result = adapt_vllm_module(source, label=label(name))
+    assert result.code == (FIXTURES / "expected" / f"{name}.py").read_text()
+    (outcome,) = result.decoders
+    assert (outcome.class_name, outcome.status, outcome.causal_lm, outcome.decoder_attr) == GOLDEN[name]
+    if outcome.status == "unchanged":
+        assert result.code == source
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_output_is_a_fixed_point(name: str) -> None:
+    """T(T(x)) == T(x): every output comes back byte-identical and "unchanged"."""
+    adapted = (FIXTURES / "expected" / f"{name}.py").read_text()
+    again = adapt_vllm_module(adapted, label=label(name))
+    assert again.code == adapted and [d.status for d in again.decoders] == ["unchanged"]
+
+
+def test_generated_code_follows_llamas_contract_and_imports_no_pipespec() -> None:
+    out = (FIXTURES / "expected" / "qwen3_moe.py").read_text()
+    assert "pipespec" not in "".join(line for line in out.splitlines(True) if "import" in line)
+    for piece in ("remote_aux = self.collect_remote_aux_hidden_states(intermediate_tensors)",
+                  "if get_pp_group().is_first_rank:\n            self._maybe_add_hidden_state(\n"
+                  "                aux_hidden_states, self.start_layer, hidden_states, residual",
+                  "aux_hidden_states, layer_idx + 1, hidden_states, residual",
+                  "**self.pack_local_aux_hidden_states(aux_hidden_states),",
+                  "aux_hidden_states = remote_aux + aux_hidden_states\n        if len(aux_hidden_states) > 0:\n"
+                  "            return hidden_states, aux_hidden_states\n        return hidden_states",
+                  "class Qwen3MoeModel(nn.Module, EagleModelMixin):\n    supports_aux_hidden_states_over_pp = True\n"
+                  '    pipespec_generated_by = "adapt_vllm_native v1'):
+        assert piece in out, piece
+    assert "self._maybe_add_hidden_state(\n            [], self.start_layer" not in out  # the PP=1-only capture is gone
+
+
+def test_decoder_under_another_attribute_gets_what_vllm_looks_for() -> None:
+    """GPT-2 keeps its decoder at .transformer and its embedding at .wte: the drafter's .model.embed_tokens
+    and the protocol's layer lookups are provided as properties/methods, registering no module twice."""
+    out = (FIXTURES / "expected" / "gpt2.py").read_text()
+    assert "    @property\n    def embed_tokens(self) -> nn.Module:" in out and "        return self.wte\n" in out
+    assert "    @property\n    def model(self) -> nn.Module:" in out and "        return self.transformer\n" in out
+    assert "        self.transformer._set_aux_hidden_state_layers(layers)\n" in out
+    assert "        num_layers = len(self.transformer.h)\n" in out
+    assert "class GPT2ForSequenceClassification(nn.Module, SupportsCrossEncoding):" in out  # not a causal LM
+
+
+def test_first_rank_only_embedding_is_also_built_where_a_drafter_needs_it() -> None:
+    out = (FIXTURES / "expected" / "solar.py").read_text()
+    assert ") or spec_decode_needs_target_embed(vllm_config):\n            self.embed_tokens = VocabParallelEmbedding(" in out
+    assert "    spec_decode_needs_target_embed,\n" in out  # added to the file's own `from .utils import (...)`
+
+
+# ---------------------------------------------------------------------------------- before / after
+HEAD = """\
+    from itertools import islice
+
+    import torch
+    from torch import nn
+
+    from vllm.distributed import get_pp_group
+    from vllm.sequence import IntermediateTensors
+
+    from .interfaces import SupportsPP
+
+
+    class ToyModel(nn.Module):
+        def forward(self, input_ids, positions, intermediate_tensors, inputs_embeds=None):
+            if get_pp_group().is_first_rank:
+                hidden_states = self.embed_tokens(input_ids)
+                residual = None
+            else:
+                hidden_states = intermediate_tensors["hidden_states"]
+                residual = intermediate_tensors["residual"]
+"""
+TAIL = """\
+            if not get_pp_group().is_last_rank:
+                return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
+            hidden_states, _ = self.norm(hidden_states, residual)
+            return hidden_states
+
+
+    class ToyForCausalLM(nn.Module, SupportsPP):
+        def __init__(self, *, vllm_config, prefix=""):
+            super().__init__()
+            self.model = ToyModel(vllm_config=vllm_config, prefix=prefix)
+"""
+
+
+def test_plain_islice_loop_before_after() -> None:
+    """The whole rewrite of the simplest decoder, as vLLM's llama.py has it."""
+    before = HEAD + """\
+            for layer in islice(self.layers, self.start_layer, self.end_layer):
+                hidden_states, residual = layer(positions, hidden_states, residual)
+""" + TAIL
+    after = '''\
+    # Generated by pipespec 0.1.0 (adapt_vllm_native v1) from toy.py.
+    # Adapted to vLLM's EAGLE3-over-PP contract (EagleModelMixin, SupportsEagle3):
+    # ToyModel, ToyForCausalLM.
+    # Do not edit those classes by hand; regenerate them with
+    #     adapter-gen toy.py --dialect vllm
+
+    from itertools import islice
+
+    import torch
+    from torch import nn
+
+    from vllm.distributed import get_pp_group
+    from vllm.sequence import IntermediateTensors
+
+    from .interfaces import EagleModelMixin, SupportsEagle3, SupportsPP
+
+
+    class ToyModel(nn.Module, EagleModelMixin):
+        supports_aux_hidden_states_over_pp = True
+        pipespec_generated_by = "adapt_vllm_native v1 (pipespec 0.1.0) from toy.py"
+
+        def forward(self, input_ids, positions, intermediate_tensors, inputs_embeds=None):
+            if get_pp_group().is_first_rank:
+                hidden_states = self.embed_tokens(input_ids)
+                residual = None
+            else:
+                hidden_states = intermediate_tensors["hidden_states"]
+                residual = intermediate_tensors["residual"]
+
+            remote_aux = self.collect_remote_aux_hidden_states(intermediate_tensors)
+
+            aux_hidden_states: list[torch.Tensor] = []
+            if get_pp_group().is_first_rank:
+                self._maybe_add_hidden_state(
+                    aux_hidden_states, self.start_layer, hidden_states, residual
+                )
+            for idx, layer in enumerate(
+                islice(self.layers, self.start_layer, self.end_layer),
+                start=self.start_layer,
+            ):
+                hidden_states, residual = layer(positions, hidden_states, residual)
+                self._maybe_add_hidden_state(
+                    aux_hidden_states, idx + 1, hidden_states, residual
+                )
+            if not get_pp_group().is_last_rank:
+                return IntermediateTensors(
+                    {
+                        "hidden_states": hidden_states,
+                        "residual": residual,
+                        **self.pack_local_aux_hidden_states(aux_hidden_states),
+                    }
+                )
+            hidden_states, _ = self.norm(hidden_states, residual)
+            aux_hidden_states = remote_aux + aux_hidden_states
+            if len(aux_hidden_states) > 0:
+                return hidden_states, aux_hidden_states
+            return hidden_states
+
+
+    class ToyForCausalLM(nn.Module, SupportsPP, SupportsEagle3):
+        def __init__(self, *, vllm_config, prefix=""):
+            super().__init__()
+            self.model = ToyModel(vllm_config=vllm_config, prefix=prefix)
+'''
+    result = adapt(before)
+    assert result.code == textwrap.dedent(after).replace("0.1.0", __import__("pipespec").__version__)
+    assert [(d.status, d.causal_lm, d.decoder_attr) for d in result.decoders] == [("adapted", ("ToyForCausalLM",), "model")]
+
+
+@pytest.mark.parametrize(
+    ("loop", "header", "capture"),
+    [
+        ("for layer in self.layers[self.start_layer : self.end_layer]:\n    hidden_states, residual = layer(hidden_states, residual)",
+         "for idx, layer in enumerate(self.layers[self.start_layer : self.end_layer], start=self.start_layer):",
+         "_maybe_add_hidden_state(aux_hidden_states, idx + 1, hidden_states, residual)"),
+        ("for i, layer in enumerate(islice(self.layers, self.start_layer, self.end_layer)):\n"
+         "    hidden_states, residual = layer(hidden_states, residual, i)",
+         "for i, layer in enumerate(islice(self.layers, self.start_layer, self.end_layer)):",
+         "_maybe_add_hidden_state(aux_hidden_states, self.start_layer + i + 1, hidden_states, residual)"),
+        ("for i, layer in islice(enumerate(self.layers), self.start_layer, self.end_layer):\n"
+         "    hidden_states, residual = layer(hidden_states, residual)",
+         "for i, layer in islice(enumerate(self.layers), self.start_layer, self.end_layer):",
+         "_maybe_add_hidden_state(aux_hidden_states, i + 1, hidden_states, residual)"),
+        ("for i in range(self.start_layer, self.end_layer):\n    layer = self.layers[i]\n"
+         "    hidden_states, residual = layer(hidden_states, residual)",
+         "for i in range(self.start_layer, self.end_layer):",
+         "_maybe_add_hidden_state(aux_hidden_states, i + 1, hidden_states, residual)"),
+        ("for i in range(self.start_layer, self.end_layer):\n    hidden_states, residual = self.layers[i](hidden_states, residual)",
+         "for i in range(self.start_layer, self.end_layer):",
+         "_maybe_add_hidden_state(aux_hidden_states, i + 1, hidden_states, residual)"),
+    ],
+    ids=["slice", "enumerate-from-0", "islice-enumerate", "range-layer-assign", "range-index-call"],
+)
+def test_each_loop_form_captures_with_the_global_layer_index(loop: str, header: str, capture: str) -> None:
+    """The aux id after a layer is its global index + 1 on every stage, whatever the loop counts."""
+    before = HEAD + textwrap.indent(loop, " " * 12) + "\n" + TAIL
+    code = adapt(before).code
+    assert squeeze(header) in squeeze(code) and squeeze(capture) in squeeze(code)
+    assert adapt_vllm_module(code, label="toy.py").code == code
+
+
+def squeeze(code: str) -> str:
+    """Code without whitespace or magic trailing commas: the same text whether wrapped or not."""
+    return "".join(code.split()).replace(",)", ")")
+
+
+def test_no_residual_model_passes_none() -> None:
+    before = HEAD.replace('                residual = intermediate_tensors["residual"]\n', "").replace(
+        "                residual = None\n", "") + """\
+            for layer in islice(self.layers, self.start_layer, self.end_layer):
+                hidden_states = layer(positions, hidden_states)
+""" + TAIL.replace(', "residual": residual', "").replace("hidden_states, _ = self.norm(hidden_states, residual)",
+                                                         "hidden_states = self.norm(hidden_states)")
+    code = adapt(before).code
+    assert squeeze("self._maybe_add_hidden_state(aux_hidden_states, idx + 1, hidden_states, None)") in squeeze(code)
+    assert squeeze("self._maybe_add_hidden_state(aux_hidden_states, self.start_layer, hidden_states, None)") in squeeze(code)
+
+
+def test_pp1_only_capture_and_direct_setter_are_rewritten() -> None:
+    """A decoder that captured at PP=1 only (aux list, membership checks) gets the contract's capture, and a
+    setter that writes aux_hidden_state_layers directly goes through _set_aux_hidden_state_layers (which
+    caches the stage's slot base)."""
+    before = HEAD.replace("class ToyModel(nn.Module):", "class ToyModel(nn.Module, EagleModelMixin):") + """\
+            aux_hidden_states = []
+            for idx, layer in enumerate(islice(self.layers, self.start_layer, self.end_layer), start=self.start_layer):
+                if idx in self.aux_hidden_state_layers:
+                    aux_hidden_states.append(hidden_states + residual)
+                hidden_states, residual = layer(positions, hidden_states, residual)
+            if not get_pp_group().is_last_rank:
+                return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
+            hidden_states, _ = self.norm(hidden_states, residual)
+            # Return auxiliary hidden states if collected
+            if len(aux_hidden_states) > 0:
+                return hidden_states, aux_hidden_states
+            return hidden_states
+
+
+    class ToyForCausalLM(nn.Module, SupportsPP, SupportsEagle3):
+        def __init__(self, *, vllm_config, prefix=""):
+            super().__init__()
+            self.model = ToyModel(vllm_config=vllm_config, prefix=prefix)
+
+        def set_aux_hidden_state_layers(self, layers):
+            self.model.aux_hidden_state_layers = layers
+"""
+    code = adapt(before.replace("from .interfaces import SupportsPP", "from .interfaces import EagleModelMixin, SupportsEagle3, SupportsPP")).code
+    assert "if idx in self.aux_hidden_state_layers" not in code and "aux_hidden_states = []" not in code
+    assert "Return auxiliary hidden states" not in code
+    assert code.count("if len(aux_hidden_states) > 0:") == 1
+    assert "        self.model._set_aux_hidden_state_layers(layers)\n" in code
+    assert "class ToyModel(nn.Module, EagleModelMixin):\n    supports_aux_hidden_states_over_pp = True" in code
+
+
+# ---------------------------------------------------------------------------------- declines
+DECLINES = {
+    "carried-state": (
+        "for layer in self.layers[self.start_layer : self.end_layer]:\n"
+        "    hidden_states, pending = layer(positions, hidden_states, pending=pending)",
+        "line 21: the layer call assigns `hidden_states, pending`: `pending` is carried from layer to layer but "
+        "the next stage receives only `hidden_states` and `residual`"),
+    "continue": (
+        "for layer in islice(self.layers, self.start_layer, self.end_layer):\n"
+        "    if layer is None:\n        continue\n    hidden_states, residual = layer(hidden_states, residual)",
+        "line 22: the layer loop uses `continue`: a layer skipped or left early would skip its capture"),
+    "nested-loop": (
+        "for _ in range(2):\n    for layer in islice(self.layers, self.start_layer, self.end_layer):\n"
+        "        hidden_states, residual = layer(hidden_states, residual)",
+        "line 21: the layer loop `for ... in islice(self.layers, self.start_layer, self.end_layer)` is nested "
+        "inside another statement"),
+    "gathered-capture": (
+        "aux_hidden_states = []\n"
+        "for idx, layer in enumerate(islice(self.layers, self.start_layer, self.end_layer), start=self.start_layer):\n"
+        "    if idx in self.aux_hidden_state_layers:\n"
+        "        aux_hidden_states.append(tensor_model_parallel_all_gather(hidden_states + residual, 0))\n"
+        "    hidden_states, residual = layer(hidden_states, residual)",
+        "line 22: `if idx in self.aux_hidden_state_layers: aux_hidden_states.append(tensor_model_parallel_"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DECLINES))
+def test_decline_names_the_construct_and_its_line(case: str) -> None:
+    loop, reason = DECLINES[case]
+    result = adapt(HEAD + textwrap.indent(loop, " " * 12) + "\n" + TAIL)
+    (outcome,) = result.decoders
+    assert outcome.status == "declined" and outcome.reason.startswith(reason), outcome.reason
+    assert result.code == textwrap.dedent(HEAD + textwrap.indent(loop, " " * 12) + "\n" + TAIL)
+
+
+def test_reshaped_hand_off_is_declined_with_the_branch() -> None:
+    """hy_v4's iHC branch sends `hidden_states.flatten(1)`: a capture there would not be what is sent."""
+    tail = TAIL.replace('            if not get_pp_group().is_last_rank:\n',
+                        '            if not get_pp_group().is_last_rank:\n                if self.enable_ihc:\n'
+                        '                    return IntermediateTensors({"hidden_states": hidden_states.flatten(1)})\n')
+    loop = "            for layer in islice(self.layers, self.start_layer, self.end_layer):\n" \
+           "                hidden_states, residual = layer(positions, hidden_states, residual)\n"
+    (outcome,) = adapt(HEAD + loop + tail).decoders
+    assert outcome.status == "declined"
+    assert outcome.reason.startswith('line 24: a non-last-rank return sends `hidden_states.flatten(1)` as "hidden_states"')
+
+
+def test_explicit_opt_out_is_declined_with_what_is_really_there() -> None:
+    """MiMo sets the flag False itself over a forward that captures nothing: say exactly that."""
+    code = (ROOT / ".venv-vllm/lib/python3.11/site-packages/vllm/model_executor/models/mimo.py")
+    source = code.read_text() if code.exists() else textwrap.dedent("""\
+        class MiMoModel(Qwen2Model):
+            supports_aux_hidden_states_over_pp = False
+
+            def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+                for layer in islice(self.layers, self.start_layer, self.end_layer):
+                    hidden_states, residual = layer(positions, hidden_states, residual)
+                if not get_pp_group().is_last_rank:
+                    return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
+                return hidden_states + residual
+        """)
+    result = adapt_vllm_module(source, label="mimo.py")
+    (outcome,) = result.decoders
+    assert outcome.status == "declined" and result.code == source
+    assert "MiMoModel opts out by hand: `supports_aux_hidden_states_over_pp = False`, over a forward that captures " \
+           "no aux states (it overrides Qwen2Model.forward)" in outcome.reason
+    assert outcome.reason.startswith("line ")
+
+
+def test_spec_embed_rule_is_checked_against_the_source() -> None:
+    source = (FIXTURES / "gpt2.py").read_text()
+    spec = AdapterSpec(name="gpt2", decoder_class="vllm.model_executor.models.gpt2:GPT2Model", dialect="vllm",
+                       layers_attr="h", embed_attr="wte", embed_decoder_attr="transformer")
+    assert [d.status for d in adapt_vllm_module(source, label="gpt2.py", spec=spec).decoders] == ["adapted"]
+    wrong = AdapterSpec(name="gpt2", decoder_class="vllm.model_executor.models.gpt2:GPT2Model", dialect="vllm",
+                        layers_attr="h", embed_attr="wte", embed_decoder_attr="model")
+    (outcome,) = adapt_vllm_module(source, label="gpt2.py", spec=wrong).decoders
+    assert outcome.status == "declined" and "says embed.decoder_attr = 'model' but GPT2LMHeadModel holds GPT2Model " \
+                                            "as self.transformer: fix the spec" in outcome.reason
+
+
+def test_absolute_imports_for_out_of_tree_modules() -> None:
+    source = (FIXTURES / "gemma2.py").read_text()
+    code = adapt_vllm_module(source, label="gemma2.py", absolute_imports=True).code
+    assert "from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3, SupportsLoRA, SupportsPP" \
+        not in code  # the file's own `.interfaces` import line is extended, not duplicated
+    assert "from .interfaces import EagleModelMixin, SupportsEagle3, SupportsLoRA, SupportsPP" in code
+    bare = textwrap.dedent(HEAD + "            for layer in islice(self.layers, self.start_layer, self.end_layer):\n"
+                           "                hidden_states, residual = layer(hidden_states, residual)\n" + TAIL)
+    bare = bare.replace("from .interfaces import SupportsPP\n", "from vllm.model_executor.models.interfaces import SupportsPP\n")
+    out = adapt_vllm_module(bare, label="toy.py", absolute_imports=True).code
+    assert squeeze("from vllm.model_executor.models.interfaces import (EagleModelMixin, SupportsEagle3, SupportsPP)") \
+        in squeeze(out)
+    plain = bare.replace("from vllm.model_executor.models.interfaces import SupportsPP\n", "")
+    assert "from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3\n" in adapt_vllm_module(
+        plain.replace("(nn.Module, SupportsPP)", "(nn.Module)"), label="toy.py", absolute_imports=True).code
+
+
+# ---------------------------------------------------------------------------------- usage errors
+def test_file_without_a_pp_decoder_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match=r"^plain\.py: no PP decoder here .*classes here: Foo\)"):
+        adapt_vllm_module("class Foo:\n    def forward(self, x):\n        return x\n", label="plain.py")
+
+
+def test_unknown_class_lists_the_classes_present() -> None:
+    code = textwrap.dedent(HEAD + "            for layer in islice(self.layers, self.start_layer, self.end_layer):\n"
+                           "                hidden_states, residual = layer(hidden_states, residual)\n" + TAIL)
+    with pytest.raises(UsageError, match=r"no top-level class 'Nope' \(classes here: ToyModel, ToyForCausalLM\)"):
+        adapt_vllm_module(code, label="toy.py", classes=["Nope"])
+    assert [d.class_name for d in adapt_vllm_module(code, label="toy.py", classes=["ToyForCausalLM"]).decoders] == ["ToyModel"]
+
+
+# ---------------------------------------------------------------------------------- CLI
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([ADAPTER_GEN, *args], capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
+
+
+def one_error_line(proc: subprocess.CompletedProcess[str], fragment: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("adapter-gen: error: ") and fragment in lines[0], proc.stderr
+
+
+def test_cli_adapts_every_decoder_in_place_then_checks_clean(tmp_path: Path) -> None:
+    src = tmp_path / "gemma2.py"
+    shutil.copy(FIXTURES / "gemma2.py", src)
+    assert run(str(src), "--check").returncode == 1  # detected as vllm, not adapted yet
+    proc = run(str(src), "--in-place")
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote" in proc.stderr and "Gemma2Model, vllm dialect" in proc.stderr
+    assert "class Gemma2Model(nn.Module, EagleModelMixin):" in src.read_text()
+    assert run(str(src), "--check").returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma2.py"]
+
+
+@pytest.mark.parametrize(
+    ("write", "args", "fragment"),
+    [
+        ("class Foo:\n    pass\n", [], "no PP decoder here"),
+        (None, ["--class", "Nope"], "no top-level class 'Nope' (classes here: Gemma2MLP"),
+    ],
+    ids=["no-pp-decoder", "unknown-class"],
+)
+def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path: Path, write: str | None, args: list[str], fragment: str) -> None:
+    src = tmp_path / "model.py"
+    if write is None:
+        shutil.copy(FIXTURES / "gemma2.py", src)
+    else:
+        src.write_text(write)
+    before = src.read_bytes()
+    out = tmp_path / "out.py"
+    one_error_line(run(str(src), "--dialect", "vllm", *args, "--out", str(out)), fragment)
+    assert not out.exists() and src.read_bytes() == before
+
+
+def test_cli_refuses_a_vllm_older_than_the_contract(tmp_path: Path) -> None:
+    """A file inside a vLLM tree whose interfaces.py lacks EagleModelMixin.pack_local_aux_hidden_states."""
+    models = tmp_path / "vllm" / "model_executor" / "models"
+    models.mkdir(parents=True)
+    (tmp_path / "vllm" / "_version.py").write_text("__version__ = version = '0.31.0'\n")
+    (models / "interfaces.py").write_text("class EagleModelMixin:\n    def _maybe_add_hidden_state(self):\n        pass\n")
+    shutil.copy(FIXTURES / "gemma2.py", models / "gemma2.py")
+    before = (models / "gemma2.py").read_bytes()
+    one_error_line(run(str(models / "gemma2.py"), "--in-place"),
+                   "vLLM 0.31.0 at ")
+    proc = run(str(models / "gemma2.py"), "--in-place")
+    assert "has no EagleModelMixin.pack_local_aux_hidden_states in interfaces.py" in proc.stderr
+    assert "upgrade vLLM to 0.32 or later" in proc.stderr
+    assert (models / "gemma2.py").read_bytes() == before
