@@ -1,6 +1,7 @@
 """``pipespec verify --engine vllm``: what the plugin would do at engine load, without weights.
 
-Real vLLM classes, the real codemod on vLLM's installed source, the real CLI in a subprocess. The JSON
+Real vLLM classes, the real codemod on vLLM's installed source, the real CLI (``pipespec.cli.main``, in
+this process so vLLM is imported once; without vLLM: a subprocess). The JSON
 is DESIGN.md's contract: ``{"architecture", "class", "decision", "reason", "spec"}``, exit 0 unless
 refused (2).
 """
@@ -8,38 +9,49 @@ refused (2).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from pipespec.cli import main
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "plugin_scripts"
 V1_RUNNER = "eagle3 over PP=2 cannot run on vLLM's V1 model runner"
 
 
-def _verify(tmp: Path, *args: str, **env: str) -> tuple[int, str, str]:
-    full = dict(os.environ)
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """Run ``pipespec verify --engine vllm ARGS`` in this process (vLLM imported once for the file)."""
     for key in ("PIPESPEC_VLLM", "PIPESPEC_ADAPTERS_PATH", "VLLM_USE_V2_MODEL_RUNNER"):
-        full.pop(key, None)
-    full.update(OMP_NUM_THREADS="1", PIPESPEC_VLLM_CACHE=str(tmp / "cache"),
-                PYTHONPATH=os.pathsep.join([str(SCRIPTS), full.get("PYTHONPATH", "")]), **env)
-    done = subprocess.run([sys.executable, "-m", "pipespec.cli", "verify", "--engine", "vllm", *args],
-                          capture_output=True, text=True, timeout=300, env=full, cwd=ROOT)
-    return done.returncode, done.stdout, done.stderr
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PIPESPEC_VLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+
+    def run(*args: str, **env: str) -> tuple[int, str, str]:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        capsys.readouterr()
+        code = main(["verify", "--engine", "vllm", *args])
+        out, err = capsys.readouterr()
+        for key in env:
+            monkeypatch.delenv(key)
+        return code, out, err
+
+    return run
 
 
-def _json(tmp: Path, *args: str, **env: str) -> tuple[int, dict]:
-    code, out, err = _verify(tmp, *args, "--json", **env)
+def _json(cli, *args: str, **env: str) -> tuple[int, dict]:
+    code, out, err = cli(*args, "--json", **env)
     assert out.strip(), err[-2000:]
     return code, json.loads(out.strip().splitlines()[-1])
 
 
-def test_supported_class_is_left_alone(tmp_path: Path) -> None:
+def test_supported_class_is_left_alone(cli) -> None:
     """vLLM's Llama carries SupportsEagle3 and its own flag: nothing to do."""
-    code, result = _json(tmp_path, "--architecture", "LlamaForCausalLM", "--pp", "1")
+    code, result = _json(cli, "--architecture", "LlamaForCausalLM", "--pp", "1")
     assert code == 0
     assert result["decision"] == "supported" and result["spec"] is None
     assert result["class"] == "vllm.model_executor.models.llama:LlamaForCausalLM"
@@ -47,38 +59,38 @@ def test_supported_class_is_left_alone(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("pp, env", [(1, {}), (2, {"VLLM_USE_V2_MODEL_RUNNER": "1"})])
-def test_in_tree_class_without_eagle3_would_be_adapted(tmp_path: Path, pp: int, env: dict[str, str]) -> None:
+def test_in_tree_class_without_eagle3_would_be_adapted(cli, pp: int, env: dict[str, str]) -> None:
     """Mixtral lacks SupportsEagle3: adapted from vLLM's own mixtral.py (at PP=2 where the V2 runner runs)."""
-    code, result = _json(tmp_path, "--architecture", "MixtralForCausalLM", "--pp", str(pp), **env)
+    code, result = _json(cli, "--architecture", "MixtralForCausalLM", "--pp", str(pp), **env)
     assert code == 0, result
     assert (result["decision"], result["spec"]) == ("adapt", "inferred")
     assert result["reason"].startswith("MixtralForCausalLM does not support eagle3")
     assert result["reason"].endswith("vllm/model_executor/models/mixtral.py")
 
 
-def test_out_of_tree_class_would_be_adapted(tmp_path: Path) -> None:
+def test_out_of_tree_class_would_be_adapted(cli) -> None:
     """A model author's module (absolute imports, decoder at .backbone) is adapted the same way."""
-    code, result = _json(tmp_path, "--class", "toy_lm:ToyLMForCausalLM", "--pp", "1")
+    code, result = _json(cli, "--class", "toy_lm:ToyLMForCausalLM", "--pp", "1")
     assert code == 0
     assert (result["architecture"], result["decision"]) == ("ToyLMForCausalLM", "adapt")
 
 
-def test_eagle3_over_pp_on_the_v1_runner_is_refused(tmp_path: Path) -> None:
+def test_eagle3_over_pp_on_the_v1_runner_is_refused(cli) -> None:
     """This CPU build runs vLLM's V1 runner, which never relays aux states: refused, naming the runner."""
-    code, result = _json(tmp_path, "--architecture", "LlamaForCausalLM", "--pp", "2")
+    code, result = _json(cli, "--architecture", "LlamaForCausalLM", "--pp", "2")
     assert code == 2 and result["decision"] == "refuse"
     assert result["reason"].startswith("pipespec: " + V1_RUNNER)
 
 
-def test_class_that_opts_out_is_refused(tmp_path: Path) -> None:
+def test_class_that_opts_out_is_refused(cli) -> None:
     """MiMo sets supports_aux_hidden_states_over_pp = False itself: refused, not adapted behind its back."""
-    code, result = _json(tmp_path, "--architecture", "MiMoForCausalLM", "--pp", "2", VLLM_USE_V2_MODEL_RUNNER="1")
+    code, result = _json(cli, "--architecture", "MiMoForCausalLM", "--pp", "2", VLLM_USE_V2_MODEL_RUNNER="1")
     assert code == 2 and result["decision"] == "refuse"
     assert "sets supports_aux_hidden_states_over_pp = False itself" in result["reason"]
 
 
-def test_unknown_architecture_is_refused_in_one_line(tmp_path: Path) -> None:
-    code, out, err = _verify(tmp_path, "--architecture", "NoSuchForCausalLM", "--pp", "1")
+def test_unknown_architecture_is_refused_in_one_line(cli) -> None:
+    code, out, err = cli("--architecture", "NoSuchForCausalLM", "--pp", "1")
     assert code == 2
     assert out.strip().splitlines() == [
         "NoSuchForCausalLM: refuse: NoSuchForCausalLM is not an architecture of vLLM 0.32.0 (nor of any loaded "
@@ -87,7 +99,7 @@ def test_unknown_architecture_is_refused_in_one_line(tmp_path: Path) -> None:
     ]
 
 
-def test_without_vllm_one_line_and_exit_2(tmp_path: Path) -> None:
+def test_without_vllm_one_line_and_exit_2() -> None:
     """Where vLLM cannot be imported (here: import blocked in the subprocess) the CLI says where to run it."""
     code = ("import sys; sys.modules['vllm'] = None\nfrom pipespec.cli import main\n"
             "sys.exit(main(['verify', '--engine', 'vllm', '--architecture', 'MixtralForCausalLM', '--pp', '1']))")
