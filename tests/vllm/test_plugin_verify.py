@@ -109,3 +109,37 @@ def test_without_vllm_one_line_and_exit_2() -> None:
         "pipespec: error: pipespec verify --engine vllm needs vLLM (>= 0.32) installed: run it where vLLM is "
         "(`pip install 'pipespec[vllm]'`)"
     ]
+
+
+def test_class_the_codemod_cannot_adapt_is_refused_with_its_reason(cli) -> None:
+    """A decoder that loops over all layers has no stage loop: vLLM's words, then the codemod's reason."""
+    code, result = _json(cli, "--class", "toy_unadaptable:AllLayersForCausalLM", "--pp", "1")
+    assert code == 2 and result["decision"] == "refuse"
+    head, _, why = result["reason"].partition("; pipespec cannot adapt it: ")
+    assert head == "AllLayersForCausalLM does not support eagle3: `AllLayersForCausalLM` does not implement SupportsEagle3"
+    assert why.startswith(str(SCRIPTS / "toy_unadaptable.py") + ": no PP decoder here")
+
+
+def test_spec_marking_the_architecture_unsupported_refuses(cli, tmp_path: Path) -> None:
+    """A user's spec with supported = false wins over adaptation, and its reason is quoted."""
+    (tmp_path / "mixtral.toml").write_text(
+        '[adapter]\nname = "mixtral_off"\narchitectures = ["MixtralForCausalLM"]\n'
+        'decoder_class = "vllm.model_executor.models.mixtral:MixtralModel"\ndialect = "vllm"\n'
+        'supported = false\nreason = "our MoE kernels are not validated with drafts"\n'
+    )
+    code, result = _json(cli, "--architecture", "MixtralForCausalLM", "--pp", "1", PIPESPEC_ADAPTERS_PATH=str(tmp_path))
+    assert code == 2 and result["decision"] == "refuse"
+    assert "pipespec cannot adapt it: MixtralForCausalLM does not support EAGLE3 hidden-state capture: our MoE " \
+           "kernels are not validated with drafts" in result["reason"]
+    assert f"({tmp_path / 'mixtral.toml'} says supported = false)" in result["reason"]
+
+
+def test_spec_on_the_adapters_path_guides_the_adaptation_and_is_named(cli, tmp_path: Path) -> None:
+    """A vLLM-dialect spec for the architecture is used (and named in the verdict and the log line)."""
+    (tmp_path / "mixtral_vllm.toml").write_text(
+        '[adapter]\nname = "mixtral_vllm"\narchitectures = ["MixtralForCausalLM"]\n'
+        'decoder_class = "vllm.model_executor.models.mixtral:MixtralModel"\ndialect = "vllm"\n'
+    )
+    code, result = _json(cli, "--architecture", "MixtralForCausalLM", "--pp", "1", PIPESPEC_ADAPTERS_PATH=str(tmp_path))
+    assert code == 0
+    assert (result["decision"], result["spec"]) == ("adapt", "PIPESPEC_ADAPTERS_PATH mixtral_vllm.toml")
