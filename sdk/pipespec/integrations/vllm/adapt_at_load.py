@@ -19,7 +19,6 @@ Imports vLLM (this is ``pipespec.integrations.vllm``).
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -87,7 +86,7 @@ def decide(architecture: str, cls: type, method: str = "eagle3", pp: int = 1) ->
         why = built.reason or "the codemod left its decoder unchanged"
         return _vllm_own_or_refuse(architecture, cls, method, pp,
                                    f"{head}; pipespec cannot adapt it: {built.status} ({why})", built.spec.label)
-    adapted = getattr(importlib.import_module(name), cls.__name__)
+    adapted = getattr(install_finder().import_adapted(name), cls.__name__)
     # Checked at PP >= 2 even for a PP = 1 run: the adapted class must also serve plain pipelines.
     after = judge_vllm_class(adapted, pp=max(pp, 2))
     if not after.supported:

@@ -70,6 +70,7 @@ class AdaptedSource:
     status: str  # the DecoderOutcome status of the class's decoder: adapted | unchanged | declined
     reason: str
     cache_file: Path | None
+    key: str  # hash of everything the code depends on (``_build_key``)
 
 
 def adapted_module_name(original_module: str, class_name: str, architecture: str) -> str:
@@ -149,15 +150,20 @@ def _codemod_fingerprint() -> str:
     return digest.hexdigest()
 
 
-def _cache_path(module_name: str, source: str, spec: SpecChoice) -> Path | None:
-    directory = _cache_dir()
-    if directory is None:
-        return None
+def _build_key(module_name: str, source: str, spec: SpecChoice) -> str:
+    """What the adapted code depends on: the source, pipespec, the codemod's files, the name, the spec."""
     key = hashlib.sha256()
     for part in (source, pipespec.__version__, _codemod_fingerprint(), module_name, repr(spec.spec)):
         key.update(part.encode())
         key.update(b"\0")
-    return directory / f"{module_name.rpartition('.')[2]}-{key.hexdigest()[:16]}.py"
+    return key.hexdigest()
+
+
+def _cache_path(module_name: str, key: str) -> Path | None:
+    directory = _cache_dir()
+    if directory is None:
+        return None
+    return directory / f"{module_name.rpartition('.')[2]}-{key[:16]}.py"
 
 
 def _write_atomically(path: Path, text: str) -> bool:
@@ -188,10 +194,21 @@ def build_adapted_source(module_name: str) -> AdaptedSource:
         raise UnsupportedModelError(f"{architecture}: the source of {original} is not readable, so pipespec cannot adapt it")
     source = Path(source_file).read_text(encoding="utf-8")
     spec = choose_spec(architecture, cls)
-    cache_file = _cache_path(module_name, source, spec)
+    key = _build_key(module_name, source, spec)
+    if key in _MEMO:
+        return _MEMO[key]
+    cache_file = _cache_path(module_name, key)
     if cache_file is not None and cache_file.is_file():  # written by an earlier process: only adapted code is
-        return AdaptedSource(module_name, original, class_name, architecture, cache_file.read_text(encoding="utf-8"),
-                             source_file, spec, "adapted", "", cache_file)
+        built = AdaptedSource(module_name, original, class_name, architecture, cache_file.read_text(encoding="utf-8"),
+                              source_file, spec, "adapted", "", cache_file, key)
+    else:
+        built = _run_codemod(module_name, original, class_name, architecture, source, source_file, spec, key, cache_file)
+    _MEMO[key] = built
+    return built
+
+
+def _run_codemod(module_name: str, original: str, class_name: str, architecture: str, source: str, source_file: str,
+                 spec: SpecChoice, key: str, cache_file: Path | None) -> AdaptedSource:
     from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
 
     in_tree = original.startswith("vllm.")
@@ -208,22 +225,27 @@ def build_adapted_source(module_name: str) -> AdaptedSource:
     else:
         cache_file = None
     return AdaptedSource(module_name, original, class_name, architecture, code, source_file, spec,
-                         outcome.status, outcome.reason, cache_file)
+                         outcome.status, outcome.reason, cache_file, key)
 
 
 class AdaptedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports ``<module>__pipespec__<Class>[__<Arch>]`` as the adapted source of ``<module>``."""
 
     def __init__(self) -> None:
-        self._built: dict[str, AdaptedSource] = {}
         self._lock = threading.Lock()
 
     def built(self, module_name: str) -> AdaptedSource:
-        """The adapted source for ``module_name`` (built once per process)."""
+        """The adapted source for ``module_name`` (the codemod runs once per process and input)."""
         with self._lock:
-            if module_name not in self._built:
-                self._built[module_name] = build_adapted_source(module_name)
-            return self._built[module_name]
+            return build_adapted_source(module_name)
+
+    def import_adapted(self, module_name: str) -> ModuleType:
+        """Import ``module_name``, re-executing it if an earlier import was built from other inputs."""
+        built = self.built(module_name)
+        loaded = sys.modules.get(module_name)
+        if loaded is not None and getattr(loaded, "__pipespec_key__", None) != built.key:
+            del sys.modules[module_name]
+        return importlib.import_module(module_name)
 
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
         if parse_adapted_module_name(fullname) is None:
@@ -247,10 +269,12 @@ class AdaptedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             linecache.cache[filename] = (len(built.code), None, built.code.splitlines(True), filename)
         # dont_inherit: this file's `from __future__ import annotations` must not turn the model's
         # annotations into strings (vLLM's @support_torch_compile reads them as types).
+        module.__dict__["__pipespec_key__"] = built.key
         exec(compile(built.code, filename, "exec", dont_inherit=True), module.__dict__)  # noqa: S102
 
 
 _FINDER: AdaptedModuleFinder | None = None
+_MEMO: dict[str, AdaptedSource] = {}
 
 
 def install_finder() -> AdaptedModuleFinder:
