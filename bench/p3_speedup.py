@@ -35,7 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
+if __name__ == "__main__":  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (  # noqa: E402
     Result,
     append_jsonl,
     cli_json,
@@ -43,7 +46,9 @@ from bench.common import (
     device_name,
     heldout_prompts,
     pair_dirs,
+    print_table,
     save_plot,
+    write_json,
 )
 
 NAME = "p3"
@@ -74,7 +79,13 @@ def _sweep(quick: bool, device: str) -> tuple[list[tuple[int, int, str]], int]:
         return (runs if not quick else core), 192  # long enough for the adaptive policy to amortise its probing
     if quick:
         return core, 32
-    return [(c, k, "always") for c in (1, 8) for k in (0, 1, 3, 5)] + [(1, 3, "adaptive"), (8, 3, "adaptive")], 96
+    return ([(c, k, "always") for c in (1, 8) for k in (0, 1, 3, 5)] + [(1, 3, "adaptive"), (8, 3, "adaptive")]
+            + list(policy_runs((32,))), 96)
+
+
+def policy_runs(cs: Sequence[int]) -> list[tuple[int, int, str]]:
+    """The runs behind the policy rows: plain decoding, k = 3 ``always`` and k = 3 ``adaptive`` at each c."""
+    return [(c, k, policy) for c in cs for k, policy in ((0, "always"), (3, "always"), (3, "adaptive"))]
 
 
 def _fmt(values: Sequence[float]) -> str:
@@ -110,12 +121,12 @@ def _prompts(target: Path, count: int) -> list[dict[str, Any]]:
 
 
 def _generate(target: Path, draft: Path, prompts_file: Path, k: int, new_tokens: int, device: str,
-              in_process: bool, extra: Sequence[str] = ()) -> dict[str, Any]:
+              in_process: bool, extra: Sequence[str] = (), pp: int = 2) -> dict[str, Any]:
     """One ``pipespec generate --json`` run: a subprocess, or (``in_process``) the same CLI entry point
     called here, which reuses this process's warm stage forkserver instead of importing torch again.
     ``extra``: further ``generate`` options (a variant of the engine's settings)."""
     args = ["generate", "--target", str(target), "--draft", str(draft),
-           "--pp", "2", "--prompts-file", str(prompts_file), "--max-new-tokens", str(new_tokens),
+           "--pp", str(pp), "--prompts-file", str(prompts_file), "--max-new-tokens", str(new_tokens),
            "--num-spec-tokens", str(k), "--ignore-eos", "--device", device, "--json", *extra]
     if in_process:
         return cli_json(args, f"pipespec generate (k={k})")
@@ -129,20 +140,29 @@ def _generate(target: Path, draft: Path, prompts_file: Path, k: int, new_tokens:
 
 def run(quick: bool, device: str, command: str, pair: Path | None = None) -> list[Result]:
     runs, new_tokens = _sweep(quick, device)
+    return measure(runs, new_tokens, _repeats(quick, device), device, command, pair,
+                   in_process=quick or device == "cuda", budget_s=GPU_RUNS_BUDGET_S if device == "cuda" else None)
+
+
+def measure(runs: Sequence[tuple[int, int, str]], new_tokens: int, repeats: int, device: str, command: str,
+            pair: Path | None = None, *, in_process: bool, budget_s: float | None = None, pp: int = 2,
+            speedups: bool = True) -> list[Result]:
+    """Every (c, k, policy) run ``repeats`` times, interleaved; speedup rows (with ``speedups``), the
+    policy rows where a c has all three of ``policy_runs``, a plot under ``$PIPESPEC_BENCH_OUT``."""
     dev = device_name(device)
     out_dir = os.environ.get("PIPESPEC_BENCH_OUT")
     results: list[Result] = []
     measured: dict[int, dict[tuple[int, str], dict[str, Any]]] = {}
     rates: dict[tuple[int, int, str], list[float]] = {}  # tokens/s of every repeat
-    repeats = _repeats(quick, device)
+    traces: dict[int, list[dict[str, Any]]] = {}  # the adaptive runs' decision traces, per c
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         work = Path(tmp)
         target, draft, what = _pair(work, pair)
         prompts = _prompts(target, max(c for c, _, _ in runs))
         started = time.perf_counter()
         for c, k, policy in [run for _ in range(repeats) for run in runs]:  # interleaved: drift hits every run alike
-            if device == "cuda" and time.perf_counter() - started > GPU_RUNS_BUDGET_S and k and (0, "always") in measured.get(c, {}):
-                print(f"p3: skipping c={c} k={k} {policy}: the measured runs took over {GPU_RUNS_BUDGET_S:.0f} s "
+            if budget_s is not None and time.perf_counter() - started > budget_s and k and (0, "always") in measured.get(c, {}):
+                print(f"p3: skipping c={c} k={k} {policy}: the measured runs took over {budget_s:.0f} s "
                       "(the one-call GPU budget)", file=sys.stderr)
                 continue
             path = work / f"prompts_{c}.jsonl"
@@ -150,13 +170,18 @@ def run(quick: bool, device: str, command: str, pair: Path | None = None) -> lis
                 path.write_text("".join(json.dumps(p) + "\n" for p in prompts[:c]))
             # --quick (CPU CI budget) and CUDA (the one-call GPU budget) call the CLI's entry point in this
             # process, reusing the warm stage forkserver; a full CPU run starts it as a subprocess.
-            in_process = quick or device == "cuda"
-            generated = _generate(target, draft, path, k, new_tokens, device, in_process, extra=("--spec-policy", policy))
+            generated = _generate(target, draft, path, k, new_tokens, device, in_process,
+                                  extra=("--spec-policy", policy), pp=pp)
             measured.setdefault(c, {}).setdefault((k, policy), generated)  # the first repeat's outputs and stats
             rates.setdefault((c, k, policy), []).append(float(generated["tokens_per_s"]))
+            if policy == "adaptive" and "policy_trace" in generated:
+                traces.setdefault(c, []).append(generated["policy_trace"])
             if out_dir:
                 append_jsonl(Path(out_dir) / "p3_runs.jsonl", {"c": c, "k": k, "spec_policy": policy, "new_tokens": new_tokens,
-                                                               "device": device, "pair": what, "generate": generated})
+                                                               "device": device, "pp": pp, "pair": what, "generate": generated})
+    results += policy_results(rates, traces, measured, repeats, new_tokens, what, dev, command, pp)
+    if not speedups:
+        return results
     series: dict[str, tuple[list[float], list[float]]] = {}
     for c, by_k in measured.items():
         base = by_k[0, "always"]
@@ -204,6 +229,74 @@ def run(quick: bool, device: str, command: str, pair: Path | None = None) -> lis
         save_plot(Path(out_dir) / f"p3_speedup_{device}.png", f"P3 speedup vs k ({device}, PP=2)", "k (draft tokens per step)",
                   "tokens/s with EAGLE3 / plain", series, hline=1.0)
     return results
+
+
+POLICY_GOAL = 0.97  # issue 16: adaptive >= 0.97 x the better fixed choice
+
+
+def policy_results(rates: dict[tuple[int, int, str], list[float]], traces: dict[int, list[dict[str, Any]]],
+                   measured: dict[int, dict[tuple[int, str], dict[str, Any]]], repeats: int, new_tokens: int, what: str,
+                   dev: str, command: str, pp: int) -> list[Result]:
+    """``P3.policy.c{c}``: the median tokens/s of ``--spec-policy adaptive`` (k = 3) ÷ the better of the
+    medians of ``always`` (k = 3) and plain decoding (k = 0), with the decision trace's rounds per mode."""
+    results: list[Result] = []
+    for c in sorted(measured):
+        keys = [(c, 3, "adaptive"), (c, 3, "always"), (c, 0, "always")]
+        if not all(key in rates for key in keys):
+            continue
+        adaptive, always, plain = (statistics.median(rates[key]) for key in keys)
+        best = max(always, plain)
+        ratio = adaptive / best
+        runs = traces.get(c, [])
+        spec_rounds = [t["spec_rounds"] for t in runs]
+        plain_rounds = [t["plain_rounds"] for t in runs]
+        reasons = sorted({d["reason"].split(":")[0] for t in runs for d in t["trace"]})
+        same = ([o["output_ids"] for o in measured[c][3, "adaptive"]["outputs"]]
+                == [o["output_ids"] for o in measured[c][0, "always"]["outputs"]])
+        results.append(Result(
+            f"P3.policy.c{c}" + ("" if pp == 2 else f".pp{pp}"), ratio, f">= {POLICY_GOAL:g}", "x", ratio >= POLICY_GOAL,
+            dev, command,
+            detail=(f"adaptive {adaptive:.1f} / max(always {always:.1f}, plain {plain:.1f}) tokens/s, k=3, PP={pp} "
+                    f"(medians of {repeats} interleaved: adaptive {_fmt(rates[keys[0]])}, always {_fmt(rates[keys[1]])}, "
+                    f"plain {_fmt(rates[keys[2]])}); adaptive rounds speculative {spec_rounds} / plain {plain_rounds}, "
+                    f"switches {[t['switches'] for t in runs]}, decisions: {'; '.join(reasons) or 'none'}; "
+                    f"{new_tokens} new tokens x {c} prompts, outputs {'identical to' if same else 'DIFFER from'} plain "
+                    f"decoding; {what}"),
+        ))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python3 bench/p3_speedup.py --policy ...``: the policy rows alone, at any PP, c and repeats."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="P3 policy rows: adaptive / the better of always and plain decoding")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages (1 = one GPU)")
+    parser.add_argument("--c", default="1,8,32", help="concurrencies (prompts per run), comma-separated")
+    parser.add_argument("--tokens", type=int, default=96, help="new tokens per prompt")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each run")
+    parser.add_argument("--pair", type=Path, default=None, help="DIR with target/ and draft/ (default: the demo pair)")
+    parser.add_argument("--subprocess", action="store_true",
+                        help="a fresh interpreter per run (default on CPU; CUDA runs call the CLI in this process)")
+    parser.add_argument("--out", required=True, help="directory for p3_policy.json and p3_runs.jsonl")
+    args = parser.parse_args(argv)
+    try:
+        cs = [int(c) for c in args.c.split(",")]
+    except ValueError:
+        parser.error(f"--c {args.c!r}: give comma-separated integers, e.g. 1,8,32")
+    if min(cs) < 1 or args.pp < 1 or args.tokens < 1 or args.repeats < 1:
+        parser.error("--c, --pp, --tokens and --repeats must be >= 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["PIPESPEC_BENCH_OUT"] = str(out)
+    command = "python3 bench/p3_speedup.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    in_process = args.device == "cuda" and not args.subprocess
+    results = measure(policy_runs(cs), args.tokens, args.repeats, args.device, command, args.pair, in_process=in_process,
+                      pp=args.pp, speedups=False)
+    print_table(f"P3 policy rows, PP={args.pp}", results)
+    write_json(out / "p3_policy.json", results)
+    return 0
 
 
 # ------------------------------------------------------------------------------------ 70B projection
@@ -344,3 +437,7 @@ def project_70b(ks: Sequence[int], cs: Sequence[int], command: str, *, device: s
                             "costs measured on one device"),
                 ))
     return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -60,9 +60,10 @@ from bench.common import (  # noqa: E402
 )
 
 NAME = "pipeline"
-DESCRIPTION = "tokens/s with P micro-batches in flight / with one, PP=2, c=8 and 32"
+DESCRIPTION = "tokens/s with P micro-batches in flight / with one, PP=2, c=8 and 32 (and 128 on CPU); the default's rows"
 CPU_FEASIBLE = True
 GOAL_GPU = 1.7
+DEFAULT_GOAL = 0.97  # issue 16: the default micro-batch count within 3 % of the better of 1 and P
 PP = 2
 NUM_SPEC_TOKENS = 3
 
@@ -116,11 +117,16 @@ def _prompts(path: Path, count: int, vocab: int, target: Path | None = None, len
     return path
 
 
+DEFAULT = 0  # the key of the runs without --micro-batches (the engine's default rule)
+
+
 def _generate(target: Path, draft: Path, prompts: Path, micro_batches: int, new_tokens: int, k: int, device: str) -> dict[str, Any]:
+    """One run with ``--micro-batches micro_batches``, or (``DEFAULT``) without it."""
+    forced = ["--micro-batches", str(micro_batches)] if micro_batches != DEFAULT else []
     args = ["generate", "--target", str(target), "--draft", str(draft), "--pp", str(PP), "--prompts-file", str(prompts),
-            "--max-new-tokens", str(new_tokens), "--num-spec-tokens", str(k), "--micro-batches", str(micro_batches),
+            "--max-new-tokens", str(new_tokens), "--num-spec-tokens", str(k), *forced,
             "--ignore-eos", "--device", device, "--json", "--spec-policy", "always"]
-    return cli_json(args, f"pipespec generate --micro-batches {micro_batches}")
+    return cli_json(args, f"pipespec generate {' '.join(forced) or '(default micro-batches)'}")
 
 
 def busy_bound(result: dict[str, Any]) -> float:
@@ -133,19 +139,20 @@ def busy_bound(result: dict[str, Any]) -> float:
 def sweep(cases: list[tuple[int, int]], target: Path, draft: Path, what: str, device: str, command: str, new_tokens: int,
           repeats: int, prompt_len: int | None = None, tokenizer_prompts: bool = False,
           out_dir: Path | None = None) -> list[Result]:
-    """For each (c, k): ``repeats`` interleaved pairs of runs (1 micro-batch, then ``PP``), the ratio of
-    the medians, whether the outputs matched, and the 1-micro-batch run's busy bound."""
+    """For each (c, k): ``repeats`` interleaved triples of runs (1 micro-batch, ``PP``, and the default
+    rule's choice), the ratio of the medians, whether the outputs matched, the 1-micro-batch run's busy
+    bound, and the default's ratio to the better of the two fixed counts."""
     dev = device_name(device)
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     results: list[Result] = []
     with tempfile.TemporaryDirectory() as tmp:
         for c, k in cases:
             prompts = _prompts(Path(tmp) / f"prompts_{c}.jsonl", c, vocab, target if tokenizer_prompts else None, prompt_len)
-            runs: dict[int, list[dict[str, Any]]] = {1: [], PP: []}
+            runs: dict[int, list[dict[str, Any]]] = {1: [], PP: [], DEFAULT: []}
             if (c, k) == cases[0]:
                 _generate(target, draft, prompts, PP, 4, k, device)  # warm the forkserver and the page cache
             for _ in range(repeats):
-                for m in (1, PP):
+                for m in (1, PP, DEFAULT):
                     runs[m].append(_generate(target, draft, prompts, m, new_tokens, k, device))
                     if out_dir is not None:
                         append_jsonl(out_dir / "pipeline_runs.jsonl", {
@@ -175,6 +182,15 @@ def sweep(cases: list[tuple[int, int]], target: Path, draft: Path, what: str, de
             for m in (1, PP):
                 results.append(Result(f"pipeline.tokens_per_s.c{c}{suffix}.mb{m}", rate[m], "-", "tokens/s", None, dev, command,
                                       detail=f"median of {repeats}: {[r['tokens_per_s'] for r in runs[m]]}"))
+            picked = runs[DEFAULT][0]["micro_batches"]
+            default_ratio = rate[DEFAULT] / max(rate[1], rate[PP])
+            results.append(Result(
+                f"pipeline.default.c{c}{suffix}", default_ratio, f">= {DEFAULT_GOAL:g}", "x", default_ratio >= DEFAULT_GOAL,
+                dev, command,
+                detail=(f"default --micro-batches picked {picked} ({runs[DEFAULT][0].get('micro_batches_why', '?')}): "
+                        f"{rate[DEFAULT]:.1f} tokens/s vs the better of 1 ({rate[1]:.1f}) and {PP} ({rate[PP]:.1f}), "
+                        f"medians of {repeats} interleaved: {[r['tokens_per_s'] for r in runs[DEFAULT]]}"),
+            ))
     return results
 
 
@@ -182,7 +198,8 @@ def run(quick: bool, device: str, command: str, pair: Path | None = None) -> lis
     new_tokens = 16 if quick else (64 if device == "cuda" else 32)
     repeats = 2 if quick else 3
     # k = 0 (plain decoding, no draft on the last stage: the most balanced stages) only in a full CPU run.
-    cases = [(8, NUM_SPEC_TOKENS), (32, NUM_SPEC_TOKENS)] + ([] if quick or device == "cuda" else [(8, 0)])
+    cases = [(8, NUM_SPEC_TOKENS), (32, NUM_SPEC_TOKENS)] + (
+        [] if quick or device == "cuda" else [(128, NUM_SPEC_TOKENS), (8, 0)])
     out_dir = os.environ.get("PIPESPEC_BENCH_OUT")
     with tempfile.TemporaryDirectory() as tmp:
         target, draft, what = _model(Path(tmp), device, pair)

@@ -117,6 +117,32 @@ def test_p3_quick_runs_on_the_given_pair_and_records_it(tmp_path: Path) -> None:
     ]
     assert all(str(pair) in r["pair"] and r["generate"]["tokens_per_s"] > 0 for r in runs)
     assert json.loads((out / "p3.json").read_text()) == rows
+    # The policy rows: adaptive / the better of always and plain, with the adaptive run's decision trace.
+    rates = {(r["c"], r["k"], r["spec_policy"]): r["generate"]["tokens_per_s"] for r in runs}
+    for c in (1, 8):
+        row = by_id[f"P3.policy.c{c}"]
+        assert row["value"] == pytest.approx(rates[c, 3, "adaptive"] / max(rates[c, 3, "always"], rates[c, 0, "always"]))
+        assert row["goal"] == ">= 0.97" and "adaptive rounds speculative" in row["detail"]
+        trace = next(r["generate"]["policy_trace"] for r in runs if (r["c"], r["spec_policy"]) == (c, "adaptive"))
+        assert trace["spec_rounds"] + trace["plain_rounds"] == len(trace["rounds"]) > 0
+
+
+@pytest.mark.timeout(300)
+def test_p3_policy_script_writes_the_policy_rows_at_pp1(tmp_path: Path) -> None:
+    """``bench/p3_speedup.py`` (the command for a one-GPU measurement) on CPU at PP = 1, tiny sizes."""
+    pair = _tiny_pair(tmp_path / "pair").resolve()
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "bench/p3_speedup.py", "--pp", "1", "--c", "2", "--tokens", "6", "--repeats", "1",
+         "--pair", str(pair), "--out", str(out)],
+        capture_output=True, text=True, timeout=280, cwd=ROOT, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((out / "p3_policy.json").read_text())
+    assert [r["id"] for r in rows] == ["P3.policy.c2.pp1"]
+    assert "PP=1" in rows[0]["detail"] and rows[0]["value"] > 0
+    runs = [json.loads(line) for line in (out / "p3_runs.jsonl").read_text().splitlines()]
+    assert [(r["k"], r["spec_policy"], r["pp"]) for r in runs] == [(0, "always", 1), (3, "always", 1), (3, "adaptive", 1)]
 
 
 @pytest.mark.parametrize("case", ["missing", "no_draft", "other_bench"])
@@ -206,13 +232,17 @@ def test_pipeline_sweep_script_measures_fixed_length_prompts_and_writes_its_file
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {row["id"]: row for row in json.loads((out / "pipeline_sweep.json").read_text())}
-    assert set(rows) == {"pipeline.ratio.c3.p40", "pipeline.tokens_per_s.c3.p40.mb1", "pipeline.tokens_per_s.c3.p40.mb2"}
+    assert set(rows) == {"pipeline.ratio.c3.p40", "pipeline.tokens_per_s.c3.p40.mb1", "pipeline.tokens_per_s.c3.p40.mb2",
+                         "pipeline.default.c3.p40"}
+    # c = 3 at k = 3: 8 tokens per micro-batch forward with two, too few for them to pay on CPU: one.
+    assert "default --micro-batches picked 1 (one micro-batch: 2 would carry 8 tokens" in rows["pipeline.default.c3.p40"]["detail"]
     ratio = rows["pipeline.ratio.c3.p40"]
     assert "outputs identical" in ratio["detail"] and "prompts of 40 tokens" in ratio["detail"]
     assert ratio["value"] == pytest.approx(rows["pipeline.tokens_per_s.c3.p40.mb2"]["value"]
                                            / rows["pipeline.tokens_per_s.c3.p40.mb1"]["value"])
     runs = [json.loads(line) for line in (out / "pipeline_runs.jsonl").read_text().splitlines()]
-    assert [r["micro_batches"] for r in runs] == [1, 2]
+    assert [r["micro_batches"] for r in runs] == [1, 2, 0]  # 0: no --micro-batches (the default rule)
+    assert [r["generate"]["micro_batches"] for r in runs] == [1, 2, 1]
     assert all(r["prompt_len"] == 40 and len(r["generate"]["outputs"]) == 3 for r in runs)
     assert all(len(o["output_ids"]) == 3 for r in runs for o in r["generate"]["outputs"])
 
