@@ -376,7 +376,11 @@ class _RewriteForward(cst.CSTTransformer):
         carry: list[cst.EmptyLine] = []
         for new in updated_node.body:
             if m.matches(new, removed):
-                carry += [line for line in new.leading_lines if line.comment is None or "aux" not in line.comment.value.lower()]
+                comments = [line for line in new.leading_lines if line.comment is not None]
+                about_aux = any("aux" in line.comment.value.lower() for line in comments if line.comment)
+                # a comment about the old capture goes with it, unless the model's own capture stays
+                drop = about_aux and not self.plan.own_capture
+                carry += [line for line in new.leading_lines if line.comment is None or not drop]
                 continue
             if carry:
                 lines = [*carry, *new.leading_lines]
@@ -393,6 +397,13 @@ class _RewriteForward(cst.CSTTransformer):
         capture = cst.parse_statement(_wrapped_call("self._maybe_add_hidden_state", [
             aux, code_of(p.loop.next_id), p.hidden, self._residual()], indent=12))
         body = cst.ensure_type(updated_node.body, cst.IndentedBlock)
+        if p.own_capture:  # the model's own after-layer capture stays; collect before the loop, nothing else
+            prelude = [
+                cst.parse_statement(f"{self.remote} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n")
+                .with_changes(leading_lines=original_node.leading_lines or [cst.EmptyLine(indent=False)]),
+                cst.parse_statement(f"{aux}{': list[torch.Tensor]' if self.annotate else ''} = []\n"),
+            ]
+            return cst.FlattenSentinel([*prelude, updated_node.with_changes(leading_lines=())])
         new_iter = p.loop.new_iter
         if new_iter is not None and len(code_of_exact(updated_node.target if p.loop.new_target is None else p.loop.new_target)
                                         + code_of_exact(new_iter)) + 20 > LINE:  # vLLM's own multi-line form

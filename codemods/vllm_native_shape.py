@@ -153,6 +153,7 @@ class ForwardPlan:
     remove: tuple[cst.CSTNode, ...]  # the old PP=1-only capture: statements to drop
     aux: str  # the name of the local aux list
     has_rank_check: bool  # forward already asks get_pp_group() (else the rewrite adds the first-rank check)
+    own_capture: bool = False  # the loop keeps the model's own after-layer capture (see _own_value_captures)
 
 
 def _loop(loop: cst.For, used: set[str]) -> Loop:
@@ -365,8 +366,6 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
         raise Decline("the non-last-rank returns send different tensors (`"
                       + "`, `".join(code_of(r) for r in nonlast) + "`): the captured stream differs by branch", nonlast[1])
     hidden, residual = sent_hidden.pop(), sent_residual.pop()
-    _check_layer_call(fn, loop, hidden, residual)
-    _check_after_loop(fn, body, loop, hidden, residual, nonlast)
     aux = _aux_names(fn)
     remove: list[cst.CSTNode] = []
     for stmt in [*body, *cst.ensure_type(loop.body, cst.IndentedBlock).body]:
@@ -375,12 +374,19 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
         if _is_capture_stmt(stmt, aux, hidden, residual) or _is_aux_return_guard(stmt, aux):
             remove.append(stmt)
     removed = {id(n) for n in remove}
+    own = _own_value_captures(loop, parsed, aux, removed)
+    if not own:
+        _check_layer_call(fn, loop, hidden, residual)
+        _check_after_loop(fn, body, loop, hidden, residual, nonlast)
+    kept = {id(s) for s in own}
     at = next(i for i, s in enumerate(body) if s is loop)
     epilogue = {id(s) for s in body[at + 1:] if is_sequence_parallel_epilogue(s)}
     for name in aux | {"aux_hidden_state_layers", "_maybe_add_hidden_state"}:
         for stmt in [*body, *cst.ensure_type(loop.body, cst.IndentedBlock).body]:
-            if stmt is loop or id(stmt) in removed or (id(stmt) in epilogue and name in aux):
+            if stmt is loop or id(stmt) in removed or id(stmt) in kept or (id(stmt) in epilogue and name in aux):
                 continue
+            if own and name == "aux_hidden_state_layers" and not (names_in(stmt) & aux):
+                continue  # reads the ids only (e.g. reuses the last capture's reconstruction), captures nothing
             if name in names_in(stmt):
                 gathers = sorted(n for n in names_in(stmt) if "gather" in n)
                 if gathers:
@@ -401,7 +407,41 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
     bound = residual is not None and any(residual in _bound_names(s) for s in before)
     rank_check = bool(m.findall(fn, RANK))
     aux_name = "aux_hidden_states" if "aux_hidden_states" in aux or "aux_hidden_states" not in used else _fresh("aux_hidden_states", used)
-    return ForwardPlan(parsed, hidden, residual, bound, tuple(nonlast), tuple(last), tuple(remove), aux_name, rank_check)
+    if own:
+        aux_name = next(iter(aux))
+    return ForwardPlan(parsed, hidden, residual, bound, tuple(nonlast), tuple(last), tuple(remove), aux_name,
+                       rank_check, bool(own))
+
+
+def _own_value_captures(loop: cst.For, parsed: Loop, aux: set[str], removed: set[int]) -> list[cst.If]:
+    """The loop's own captures that compute a model-specific value after the layer, kept as they are.
+
+    ``if (idx + 1) in self.aux_hidden_state_layers: <value>; aux.append(<value>)`` after the layer call,
+    with the loop's global index: the id convention is already the contract's, and the value (e.g.
+    DeepSeek-V4's reconstructed mHC stream averaged over its channels) is the model's to define. vLLM's
+    own PP-correct DeepSeek-V4 keeps exactly such a capture and captures no id ``start_layer``: the
+    rewrite then adds collect / pack / the last rank's concatenation around it, and no first-rank capture.
+    """
+    if len(aux) != 1 or not m.matches(parsed.next_id, m.BinaryOperation(left=m.Name(), operator=m.Add(), right=m.Integer("1"))):
+        return []
+    idx = cst.ensure_type(cst.ensure_type(parsed.next_id, cst.BinaryOperation).left, cst.Name).value
+    body = list(cst.ensure_type(loop.body, cst.IndentedBlock).body)
+    test = m.Comparison(left=m.BinaryOperation(left=m.Name(idx), operator=m.Add(), right=m.Integer("1")),
+                        comparisons=[m.ComparisonTarget(m.In(), m.Attribute(value=m.Name("self"),
+                                                                               attr=m.Name("aux_hidden_state_layers")))])
+    out: list[cst.If] = []
+    seen_call = False
+    for stmt in body:
+        if id(stmt) in removed:
+            continue
+        if not seen_call and m.findall(stmt, m.Assign(targets=[m.AssignTarget(m.Tuple() | m.Name())], value=m.Call())):
+            seen_call = True
+            continue
+        if isinstance(stmt, cst.If) and names_in(stmt) & aux:
+            if not (seen_call and m.matches(stmt.test, test) and stmt.orelse is None):
+                return []
+            out.append(stmt)
+    return out
 
 
 def code_of_lines(node: cst.CSTNode) -> int:

@@ -465,3 +465,18 @@ def test_cli_refuses_a_vllm_older_than_the_contract(tmp_path: Path) -> None:
     assert "has no EagleModelMixin.pack_local_aux_hidden_states in interfaces.py" in proc.stderr
     assert "upgrade vLLM to 0.32 or later" in proc.stderr
     assert (models / "gemma2.py").read_bytes() == before
+
+
+def test_spec_embed_table_loads_and_is_validated() -> None:
+    from pipespec.errors import SpecError
+    from pipespec.spec import spec_from_mapping
+
+    base = {"adapter": {"name": "gpt2", "decoder_class": "vllm.model_executor.models.gpt2:GPT2Model", "dialect": "vllm"}}
+    spec = spec_from_mapping({**base, "embed": {"decoder_attr": "transformer", "embed_attr": "wte"}}, "gpt2.toml")
+    assert (spec.embed_decoder_attr, spec.embed_attr) == ("transformer", "wte")
+    with pytest.raises(SpecError, match=r"gpt2\.toml: embed\.embed_attr = 'wte' contradicts the other embed_attr = 'embed_tokens'"):
+        spec_from_mapping({**base, "model": {"embed_attr": "embed_tokens"}, "embed": {"embed_attr": "wte"}}, "gpt2.toml")
+    with pytest.raises(SpecError, match=r"embed\.decoder_attr = 'a.b' is invalid: must be a Python identifier"):
+        spec_from_mapping({**base, "embed": {"decoder_attr": "a.b"}}, "gpt2.toml")
+    with pytest.raises(SpecError, match=r"adapter\.dialect = 'vllm2' is invalid: use one of hf, vllm, pipespec"):
+        spec_from_mapping({"adapter": {**base["adapter"], "dialect": "vllm2"}}, "gpt2.toml")
