@@ -58,6 +58,61 @@ def test_ttt_forward_equals_inference_with_the_kv_cache(steps: int) -> None:
                     assert torch.allclose(got, want, atol=1e-4), (row, root, i, (got - want).abs().max())
 
 
+def _tiny_target():  # type: ignore[no-untyped-def]
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(5)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, vocab_size=60, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_generations_are_the_targets_greedy_tokens_and_the_labels_follow_them() -> None:
+    """``--retrain-draft`` trains on the target's own outputs: every generated token is the argmax of a
+    from-scratch forward over what precedes it, so the label the loss reads for root t at step i,
+    ``x[t + 2 + i]``, is the target's greedy choice wherever the mask lets it count (t + 2 + i >= prompt)."""
+    td = _train_demo()
+    target = _tiny_target()
+    prompt_len, new = 5, 7
+    prompts = torch.randint(0, 60, (3, prompt_len), generator=torch.Generator().manual_seed(0))
+    seqs = td.greedy_generations(target, prompts, new, batch=2, log=lambda _msg: None)
+    assert seqs.shape == (3, prompt_len + new) and torch.equal(seqs[:, :prompt_len], prompts)
+    with torch.no_grad():
+        greedy = target(input_ids=seqs, use_cache=False).logits.argmax(-1)
+    assert torch.equal(seqs[:, prompt_len:], greedy[:, prompt_len - 1 : -1])
+    feats = td.aux_features(target, seqs, (2, 3, 4), batch=2)
+    assert feats.shape == (3, prompt_len + new, 96) and feats.dtype == torch.float16
+
+
+def test_init_draft_keeps_the_draft_when_nothing_is_pruned_and_prunes_the_weakest_units(tmp_path: Path) -> None:
+    """``--init-draft``: the trained draft's weights carried over; cutting the MLP keeps the units with the
+    largest output norms."""
+    from dataclasses import replace
+
+    from pipespec.engine.draft_checkpoint import save_draft_checkpoint
+
+    td = _train_demo()
+    target = _tiny_target()
+    sizes = replace(td.PRESETS["quick"], hidden_size=32, num_heads=4, num_kv_heads=2, draft_intermediate_size=48)
+    aux = (2, 3, 4)
+    draft = td.make_draft(sizes, target.config, torch.arange(0, 60, 2), aux)
+    save_draft_checkpoint(draft, tmp_path / "d", format="B", aux_layers=aux, include_embedding=False, dtype=torch.float32,
+                          verifier="test", num_speculative_tokens=3)
+    same, info = td.pruned_draft(tmp_path / "d", target, sizes, aux)
+    assert info["intermediate_from"] == info["intermediate_to"] == 48
+    want = {k: v for k, v in draft.state_dict().items() if not k.startswith("embed_tokens.")}
+    got = {k: v for k, v in same.state_dict().items() if not k.startswith("embed_tokens.")}
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    cut, info = td.pruned_draft(tmp_path / "d", target, replace(sizes, draft_intermediate_size=40), aux)
+    assert cut.midlayer.mlp.up_proj.weight.shape == (40, 32) and info["intermediate_to"] == 40
+    mlp = draft.midlayer.mlp
+    score = mlp.down_proj.weight.norm(dim=0) * mlp.up_proj.weight.norm(dim=1)
+    kept = score.topk(40).indices.sort().values
+    assert torch.equal(cut.midlayer.mlp.down_proj.weight, mlp.down_proj.weight[:, kept])
+    with pytest.raises(RuntimeError, match="cannot grow"):
+        td.pruned_draft(tmp_path / "d", target, replace(sizes, draft_intermediate_size=64), aux)
+
+
 def test_lr_schedule_warms_up_then_decays_to_a_tenth() -> None:
     td = _train_demo()
     values = [td.lr_at(s, 100, 1.0) for s in range(100)]

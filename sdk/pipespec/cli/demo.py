@@ -127,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
         "target": str(target), "draft": str(draft), "pp": args.pp, "num_spec_tokens": k,
         "outputs": spec["outputs"], "mean_acceptance_length": spec["mean_acceptance_length"],
         "tokens_per_s": spec["tokens_per_s"], "plain_tokens_per_s": plain["tokens_per_s"],
+        "speedup": round(spec["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else 0.0,
+        "spec_policy": spec.get("spec_policy"), "micro_batches": spec.get("micro_batches"),
+        **({"policy": {key: spec["policy_trace"][key] for key in ("spec_rounds", "plain_rounds", "switches", "trace")}}
+           if "policy_trace" in spec else {}),
         "aux_layers": spec["aux_layers"], "aux_convention": spec["aux_convention"],
         "parity_with_p1": same_p1, "parity_with_plain_decoding": same_plain, "stages": spec["stages"],
     }
@@ -153,6 +157,7 @@ def _report(summary: dict[str, Any], kind: str, spec: dict[str, Any]) -> None:
         share = s["bytes_read"] / s["checkpoint_bytes"] if s["checkpoint_bytes"] else 0.0
         print(f"  stage {s['rank']}: layers [{s['start_layer']}, {s['end_layer']}), read {share:.0%} of the target checkpoint")
     print(f"mean acceptance length {summary['mean_acceptance_length']:.2f} tokens/step (at most {k + 1}); "
-          f"{summary['tokens_per_s']:.1f} tokens/s (plain pipeline decoding: {summary['plain_tokens_per_s']:.1f} tokens/s)")
+          f"{summary['tokens_per_s']:.1f} tokens/s (plain pipeline decoding: {summary['plain_tokens_per_s']:.1f} tokens/s, "
+          f"{summary['speedup']:.2f}x)")
     verdict = "identical" if summary["parity_with_p1"] and summary["parity_with_plain_decoding"] else "DIFFERENT"
     print(f"parity: P={pp} with drafts vs P=1 with drafts vs P={pp} plain decoding: {verdict} token for token")
