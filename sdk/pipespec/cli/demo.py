@@ -28,15 +28,7 @@ from pipespec.errors import PipespecError
 
 HELP = "run EAGLE3 speculative decoding over a 2-stage CPU pipeline on a small demo pair"
 
-# A few lines of ordinary Python each (the pair was trained on the standard library's source): enough
-# context for the target's continuation to be code rather than a guess at what file this is.
-SHIPPED_PROMPTS = (
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n',
-    'import os\nimport sys\n\n\ndef main(argv=None):\n    """Parse the command line and run."""\n    if argv is None:\n'
-    '        argv = sys.argv[1:]\n',
-    'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n        self.items = []\n\n'
-    '    def push(self, item):\n',
-)
+SHIPPED_PROMPTS = ("def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(", "class Stack:\n    def __init__(self):\n")
 CONSTRUCTED_PROMPTS = ((5, 17, 3), (40,), (2, 9, 11, 30, 1))
 CONSTRUCTED_VERSION = "1"
 
