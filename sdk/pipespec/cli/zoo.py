@@ -129,6 +129,28 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
+#: The closing section of docs/coverage.md (kept here so that `make zoo` regenerates it too).
+VLLM_ZOO_SECTION = """## vLLM zoo
+
+The same question for vLLM-native adapters is answered by `pipespec zoo --engine vllm` (`make zoo-vllm`, in
+`.venv-vllm`), whose report is [coverage-vllm.md](coverage-vllm.md). It runs every model file of the installed
+vLLM (`vllm/model_executor/models/`, `vllm/models/`) through `adapt_vllm_module`, builds each PP decoder tiny
+inside vLLM itself (its own `VllmConfig`, `set_current_vllm_config`, `initialize_model`, CPU, float32, seeded
+weights by parameter name) and checks it in vLLM's own process groups (`init_distributed_environment` +
+`initialize_model_parallel`, gloo on 127.0.0.1): at PP=1 the aux states the adapted `*ForCausalLM` returns
+after `set_aux_hidden_state_layers` equal the unadapted model's residual stream at the same ids (hooks on its
+layers; max abs error 1e-5), `supports_eagle3` holds and the decoder sets `supports_aux_hidden_states_over_pp`
+itself; at PP=2 two processes (`get_pp_group()`) build their stages, rank 0's `IntermediateTensors` carry
+exactly the aux keys `pipespec.layout.plan_layout` plans for stage 0, and rank 1, fed rank 0's tensors through
+a pipe, returns aux states equal to the PP=1 values (ids 0, the stage boundary, the id after it and N). One
+PP=1 worker and one PP=2 pair stay alive and every model streams through them with a per-model timeout.
+Attention is not exercised: without the model runner's metadata and KV cache vLLM's CPU attention returns
+its output buffer unwritten, so the harness zeroes every attention layer's output (attention, MLA and
+Mamba/linear-attention mixers) in both models; the embedding, norms, MLP/MoE, the residual stream, the layer
+loop and its aux capture and packing run as vLLM runs them.
+"""
+
+
 def coverage_markdown(results: Sequence[Any], meta: dict[str, Any]) -> str:
     """The coverage report: counts by status and by forward shape, the goals, then one row per type."""
     from pipespec.zoo.runner import SHAPES, STATUSES
@@ -211,6 +233,7 @@ def coverage_markdown(results: Sequence[Any], meta: dict[str, Any]) -> str:
             f"| {r.model_type} | {r.status} | {SHAPES.get(r.shape, r.shape)} | {_cell(r.decoder_class)} | "
             f"{'' if r.num_layers is None else r.num_layers} | {err} | {_cell(r.reason)} |"
         )
+    out += ["", VLLM_ZOO_SECTION.rstrip()]
     return "\n".join(out) + "\n"
 
 

@@ -27,13 +27,16 @@ Imports vLLM (lives in ``pipespec.integrations.vllm``); nothing outside that pac
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import importlib
 import inspect
 import os
+import resource
 import sys
 import tempfile
+import textwrap
 import types
 import zlib
 from collections.abc import Iterator
@@ -46,6 +49,8 @@ __all__ = ["ATOL", "Job", "check_pp1", "init_rank", "run_stage", "serve", "zoo_i
 #: Max abs error between the aux states and the reference residual stream (float32, same kernels).
 ATOL = 1e-5
 NUM_TOKENS = 7
+#: Heap limit of a zoo worker (an idle one holds ~0.9 GB with vLLM imported).
+WORKER_MEMORY_BYTES = 3 << 30
 AUX_PREFIX = "aux_hidden_states_"
 
 
@@ -60,9 +65,6 @@ class Job:
     architecture: str  # registry name that builds ``causal_lm``
     decoder_attr: str = "model"  # attribute of the *ForCausalLM holding the decoder
     code: str | None = None  # adapted module source; None checks the installed module as it is
-    # A holder no registry name builds (a multimodal model's language model): ``architecture`` is then
-    # the holder's own name, registered in the worker, and its config is this architecture's text config.
-    text_of: str | None = None
 
 
 def zoo_ids(num_layers: int, pp_start: int) -> tuple[int, ...]:
@@ -155,6 +157,9 @@ def _classes(job: Job) -> tuple[type, type]:
 
 # ------------------------------------------------------------------------------------ building
 _MODEL_DIRS: dict[str, str] = {}
+#: Where this process writes its tiny model directories (``serve`` points it into the pool's temp dir,
+#: which the parent removes).
+_MODEL_ROOT: list[str | None] = [None]
 
 
 def _model_dir(job: Job) -> str:
@@ -162,11 +167,9 @@ def _model_dir(job: Job) -> str:
 
     if job.architecture not in _MODEL_DIRS:
         stem = os.path.splitext(os.path.basename(job.file))[0]
-        config, _ = tiny_vllm_config(job.text_of or job.architecture, stem)
-        if job.text_of is not None:
-            config = config.get_text_config()
-            config.architectures = [job.architecture]
-        _MODEL_DIRS[job.architecture] = write_model_dir(config, tempfile.mkdtemp(prefix="pipespec-vllm-zoo-"))
+        config, _ = tiny_vllm_config(job.architecture, stem)
+        _MODEL_DIRS[job.architecture] = write_model_dir(
+            config, tempfile.mkdtemp(prefix=f"{job.architecture}-", dir=_MODEL_ROOT[0]))
     return _MODEL_DIRS[job.architecture]
 
 
@@ -190,30 +193,47 @@ def _register(job: Job) -> None:
         _REGISTERED.add(job.architecture)
 
 
-def build(cls: type, job: Job) -> Built:
-    """``cls`` built by vLLM from the tiny config, seeded weights, vLLM's post-load processing."""
-    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
-
-    _register(job)
+def _vllm_config_for(job: Job) -> Any:
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig
 
     model_config = ModelConfig(
         model=_model_dir(job), dtype="float32", skip_tokenizer_init=True, enforce_eager=True, seed=0,
         trust_remote_code=False,
     )
-    vllm_config = VllmConfig(
+    return VllmConfig(
         model_config=model_config, device_config=DeviceConfig("cpu"), load_config=LoadConfig(load_format="dummy")
     )
+
+
+def build(cls: type, job: Job) -> Built:
+    """``cls`` built by vLLM from the tiny config, seeded weights, vLLM's post-load processing."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+
+    _register(job)
+
+    vllm_config = _vllm_config_for(job)
+    model_config = vllm_config.model_config
     with set_current_vllm_config(vllm_config):
         model = initialize_model(vllm_config, model_class=cls)
         _fill_weights(model)
         process_weights_after_loading(model, model_config, torch.device("cpu"))
     model.eval()
     _silence_attention(model)
+    return Built(model=model, vllm_config=vllm_config, decoder=_decoder_of(model, job))
+
+
+def _decoder_of(model: torch.nn.Module, job: Job) -> torch.nn.Module:
+    """The decoder stack inside ``model``: the submodule of class ``job.decoder`` (it may sit deeper
+    than one attribute: OPTForCausalLM.model.decoder), else ``model.<decoder_attr>``."""
+    if job.decoder:
+        for module in model.modules():
+            if type(module).__name__ == job.decoder:
+                return module
     decoder = getattr(model, job.decoder_attr, None)
     if not isinstance(decoder, torch.nn.Module):
-        raise RuntimeError(f"{job.causal_lm}.{job.decoder_attr} is not the decoder module (got {type(decoder).__name__})")
-    return Built(model=model, vllm_config=vllm_config, decoder=decoder)
+        raise RuntimeError(f"{job.causal_lm} builds no {job.decoder or job.decoder_attr} module")
+    return decoder
 
 
 def _fill_weights(model: torch.nn.Module) -> None:
@@ -298,6 +318,67 @@ def _layers(decoder: torch.nn.Module) -> torch.nn.ModuleList:
     raise RuntimeError(f"{type(decoder).__name__} has no layer ModuleList ({', '.join(_LAYER_LISTS)}) to read the reference from")
 
 
+_RESIDUAL_USE: dict[type, bool] = {}
+
+
+def uses_residual_input(layer_cls: type) -> bool:
+    """Whether ``layer_cls.forward`` reads the ``residual`` it is given.
+
+    Layers written like StableLM's, PhiMoE's or EXAONE-4's start with ``residual = hidden_states``: the
+    residual passed in is stale (the hidden states already include it), so the stream entering such a
+    layer is ``hidden_states`` alone, not ``hidden_states + residual``. Decided from the source: the first
+    use of the name ``residual`` in ``forward`` is a read (True) or an assignment (False).
+    """
+    if layer_cls in _RESIDUAL_USE:
+        return _RESIDUAL_USE[layer_cls]
+    answer = True
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(layer_cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        tree = None
+    func = tree.body[0] if tree is not None and tree.body else None
+    if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) and "residual" in [a.arg for a in func.args.args]:
+        answer = _first_use(func.body, "residual") == "load"
+    _RESIDUAL_USE[layer_cls] = answer
+    return answer
+
+
+def _names(node: ast.AST | None, name: str, ctx: type) -> bool:
+    return node is not None and any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ctx)
+                                    for n in ast.walk(node))
+
+
+def _first_use(body: list[ast.stmt], name: str) -> str | None:
+    """"load" or "store": how ``name`` is first used when ``body`` runs (values before targets)."""
+    for stmt in body:
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            if isinstance(stmt, ast.AugAssign) and _names(stmt.target, name, ast.Store):
+                return "load"
+            if _names(stmt.value, name, ast.Load):
+                return "load"
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            if any(_names(t, name, ast.Store) for t in targets):
+                return "store"
+        elif isinstance(stmt, (ast.If, ast.While)):
+            if _names(stmt.test, name, ast.Load):
+                return "load"
+            found = _first_use(stmt.body, name) or _first_use(stmt.orelse, name)
+            if found:
+                return found
+        elif isinstance(stmt, (ast.For, ast.With)):
+            head = stmt.iter if isinstance(stmt, ast.For) else ast.Tuple([i.context_expr for i in stmt.items], ast.Load())
+            if _names(head, name, ast.Load):
+                return "load"
+            found = _first_use(stmt.body, name)
+            if found:
+                return found
+        elif _names(stmt, name, ast.Load):
+            return "load"
+        elif _names(stmt, name, ast.Store):
+            return "store"
+    return None
+
+
 _FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "final_norm")
 
 
@@ -334,7 +415,8 @@ def _record_stream(decoder: torch.nn.Module, ids: tuple[int, ...]) -> Iterator[d
             hidden = bound.get("hidden_states", bound.get("x"))
             if hidden is None:
                 raise RuntimeError(f"{type(module).__name__}.forward has no `hidden_states` argument")
-            seen[layer_id] = _stream(hidden, bound.get("residual"))
+            residual = bound.get("residual") if uses_residual_input(type(module)) else None
+            seen[layer_id] = _stream(hidden, residual)
 
         return hook
 
@@ -379,16 +461,21 @@ class AuxCheckError(Exception):
 def _compare(got: list[torch.Tensor], want: dict[int, torch.Tensor], ids: tuple[int, ...], where: str) -> float:
     if len(got) != len(ids):
         raise AuxCheckError(f"{where}: {len(got)} aux states returned for ids {list(ids)}")
-    worst, worst_id = 0.0, ids[0]
+    errs: dict[int, float] = {}
     for layer_id, tensor in zip(ids, got):
         ref = want[layer_id]
         if tuple(tensor.shape) != tuple(ref.shape):
             raise AuxCheckError(f"{where}: aux id {layer_id} has shape {tuple(tensor.shape)}, reference {tuple(ref.shape)}")
         err = float((tensor.float() - ref.float()).abs().max())
-        if not err <= worst:  # NaN counts as worst
-            worst, worst_id = err, layer_id
+        errs[layer_id] = err if err == err else float("inf")  # NaN counts as the worst
+    worst_id = max(errs, key=lambda i: errs[i])
+    worst = errs[worst_id]
     if not worst <= ATOL:
-        raise AuxCheckError(f"{where}: aux id {worst_id} differs from the residual stream by {worst:.3g} (ids {list(ids)})")
+        bad = [i for i in ids if not errs[i] <= ATOL]
+        raise AuxCheckError(
+            f"{where}: aux id{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} differ{'' if len(bad) > 1 else 's'} "
+            f"from the residual stream (worst: id {worst_id} by {worst:.3g}; ids {list(ids)})"
+        )
     return worst
 
 
@@ -450,21 +537,29 @@ def run_stage(job: Job, ids: tuple[int, ...], received: dict[str, Any] | None) -
             raise AuxCheckError(f"rank 0 returned {type(out).__name__}, not IntermediateTensors")
         tensors = dict(out.tensors)
         return {"start": start, "end": end, "keys": list(tensors),
-                "tensors": {k: v.detach().clone().numpy() for k, v in tensors.items()}}
+                "tensors": {k: None if v is None else v.detach().clone().numpy() for k, v in tensors.items()}}
     assert received is not None
-    inter = IntermediateTensors({k: torch.from_numpy(v) for k, v in received.items()})
+    inter = IntermediateTensors({k: None if v is None else torch.from_numpy(v) for k, v in received.items()})
     got = _aux_of(_forward(built, inter), f"{job.causal_lm} on the last PP rank")
     return {"start": start, "end": end, "aux": [t.numpy() for t in got]}
 
 
 # -------------------------------------------------------------------------------------- serving
-def serve(conn: Any, world_size: int, rank: int, init_method: str) -> None:
+def serve(conn: Any, world_size: int, rank: int, init_method: str, log_path: str = os.devnull) -> None:
     """Worker loop: join the process groups, then answer ``(kind, args)`` requests on ``conn`` until
-    ``None``. Each request answers ``("ok", result)`` or ``("error", one-line reason)``."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)  # vLLM logs on stdout and stderr; the parent's progress bar owns the terminal
-    os.dup2(devnull, 2)
+    ``None``. Each request answers ``("ok", result)``, ``("mismatch", reason)`` or ``("error", reason)``.
+
+    vLLM logs on stdout and stderr: both go to ``log_path`` (the parent's progress bar owns the
+    terminal, and a worker that dies in native code leaves its last words there)."""
+    if log_path != os.devnull:
+        _MODEL_ROOT[0] = os.path.dirname(log_path)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
     init_rank(world_size, rank, init_method)
+    # a model the recipe leaves large (an audio tower sized in code, not in its config) fails with an
+    # allocation error instead of taking the shared machine's memory
+    resource.setrlimit(resource.RLIMIT_DATA, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
     conn.send(("ready", None))
     while True:
         request = conn.recv()

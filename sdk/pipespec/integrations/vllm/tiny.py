@@ -22,8 +22,8 @@ import os
 from functools import cache
 from typing import Any
 
-__all__ = ["ARCH_FIXES", "GENERIC_REMOTE", "TinyConfigError", "architectures_of", "model_type_of", "tiny_vllm_config",
-           "write_model_dir"]
+__all__ = ["ARCH_FIXES", "GENERIC_REMOTE", "SIZE_LIMITS", "TinyConfigError", "architectures_of", "check_tiny",
+           "model_type_of", "tiny_vllm_config", "write_model_dir"]
 
 #: Fields of the generic config used for architectures whose config class neither transformers nor vLLM
 #: ships (``trust_remote_code`` models): vLLM's modeling code reads these names from the HF config.
@@ -45,9 +45,11 @@ ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
                                    "use_qkv_bias": False},
                                   "remote-code config: MoE sizes; every layer full attention (layer_group_size 1): its "
                                   "linear attention runs Triton kernels, which this CPU build lacks"),
-    "BailingMoeV3ForCausalLM": ({**_MOE, "layer_group_size": 2, "first_k_dense_replace": 1, "use_bias": False,
+    "BailingMoeV3ForCausalLM": ({**_MOE, "layer_group_size": 1, "first_k_dense_replace": 1, "use_bias": False,
                                  "n_group": 1, "topk_group": 1, "short_conv_kernel_size": 4, "no_kda_lora": True},
-                                "remote-code config: MoE sizes and groups, linear/full attention groups"),
+                                "remote-code config: MoE sizes and groups; every layer full attention "
+                                "(layer_group_size 1): its KDA linear attention runs Triton kernels, which this CPU "
+                                "build lacks"),
     "ExaoneForCausalLM": ({"activation_function": "silu"}, "remote-code config: names its activation activation_function"),
     "MiniCPMForCausalLM": ({"dim_model_base": 64, "scale_depth": 1.4, "scale_emb": 12.0, "num_experts": 0},
                            "remote-code config: muP scales (dense model: num_experts 0)"),
@@ -161,6 +163,14 @@ def _init_fields(config_cls: type) -> dict[str, Any]:
     return out
 
 
+def _takes_any_keyword(config_cls: type) -> bool:
+    try:
+        params = inspect.signature(config_cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD for p in params)
+
+
 def tiny_vllm_config(architecture: str, file_stem: str) -> tuple[Any, str]:
     """The tiny float32 HF config that makes vLLM build ``architecture``, and its model type.
 
@@ -178,6 +188,9 @@ def tiny_vllm_config(architecture: str, file_stem: str) -> tuple[Any, str]:
     if model_type in _vllm_config_classes() or not dataclasses.is_dataclass(config_cls):
         fields = hf_tiny.config_fields(config_cls) or _init_fields(config_cls)
         kwargs = {k: v for k, v in hf_tiny.GENERIC.items() if k in fields}
+        if _takes_any_keyword(config_cls):
+            # a config whose __init__ forwards **kwargs to PretrainedConfig keeps them as attributes
+            kwargs = {**{k: v for k, v in GENERIC_REMOTE.items() if k not in fields}, **kwargs}
         hf_tiny._tiny_special_ids(fields, kwargs)
         hf_tiny._scale_mla_dims(fields, kwargs)
         hf_fix = hf_tiny.FIXES.get(model_type)
@@ -196,6 +209,7 @@ def tiny_vllm_config(architecture: str, file_stem: str) -> tuple[Any, str]:
     for key, value in fix.items():
         setattr(config, key, value)
     config.architectures = [architecture]
+    check_tiny(config)
     return config, model_type
 
 
@@ -215,7 +229,34 @@ def _remote_config(architecture: str, file_stem: str, fix: dict[str, Any]) -> An
         AutoConfig.register(model_type, config_cls)
     config = CONFIG_MAPPING[model_type](**{**GENERIC_REMOTE, **fix})
     config.architectures = [architecture]
+    check_tiny(config)
     return config
+
+
+#: Size fields no tiny (sub-)config may exceed; above them the recipe missed a sub-config (an audio or
+#: vision tower at full size would allocate gigabytes on a machine other processes share).
+SIZE_LIMITS = {"hidden_size": 256, "d_model": 256, "intermediate_size": 1024, "num_hidden_layers": 8,
+               "num_layers": 8, "encoder_layers": 8, "depth": 8, "vocab_size": 4096}
+
+
+def check_tiny(config: Any) -> None:
+    """Raise ``TinyConfigError`` naming the first (sub-)config field above ``SIZE_LIMITS``."""
+
+    def walk(node: Any, path: str, seen: set[int]) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        items = node.items() if isinstance(node, dict) else vars(node).items() if hasattr(node, "to_dict") else ()
+        for key, value in items:
+            if key in SIZE_LIMITS and isinstance(value, int) and not isinstance(value, bool) and value > SIZE_LIMITS[key]:
+                raise TinyConfigError(
+                    f"the tiny config is not tiny: {path}{key} = {value} (limit {SIZE_LIMITS[key]}); the recipe does "
+                    "not shrink this sub-config"
+                )
+            if isinstance(value, dict) or hasattr(value, "to_dict"):
+                walk(value, f"{path}{key}.", seen)
+
+    walk(config, "", set())
 
 
 def write_model_dir(config: Any, directory: str) -> str:

@@ -21,7 +21,9 @@ import dataclasses
 import glob
 import multiprocessing
 import os
+import shutil
 import socket
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -138,6 +140,7 @@ class _Pool:
     def __init__(self) -> None:
         self.ctx = multiprocessing.get_context("spawn")
         self.workers: dict[str, tuple[Any, Any]] = {}
+        self.logs = tempfile.mkdtemp(prefix="pipespec-vllm-zoo-logs-")
         self.start("pp1")
         self.start("pp2")
 
@@ -149,7 +152,10 @@ class _Pool:
         init = f"tcp://127.0.0.1:{_free_port()}"
         for rank, name in enumerate(ranks):
             parent, child = self.ctx.Pipe()
-            proc = self.ctx.Process(target=serve, args=(child, len(ranks), rank, init), daemon=True, name=f"zoo-{name}")
+            log = os.path.join(self.logs, f"{name}.log")
+            open(log, "w").close()  # a restarted worker's log starts empty: its tail is its own
+            proc = self.ctx.Process(target=serve, args=(child, len(ranks), rank, init, log), daemon=True,
+                                    name=f"zoo-{name}")
             proc.start()
             child.close()
             self.workers[name] = (proc, parent)
@@ -174,9 +180,17 @@ class _Pool:
                 return conn.recv()  # type: ignore[no-any-return]
             reason = f"timed out after {REQUEST_TIMEOUT_S:.0f} s"
         except (EOFError, OSError, RuntimeError) as exc:
-            reason = f"worker died ({type(exc).__name__}: {exc})"
+            reason = f"died ({type(exc).__name__}{': ' + str(exc) if str(exc) else ''}; last log line: {self._last_words(name)})"
         self.restart("pp1" if name == "pp1" else "pp2")
         return "error", f"{name} worker {reason}; restarted it"
+
+    def _last_words(self, name: str) -> str:
+        try:
+            with open(os.path.join(self.logs, f"{name}.log"), encoding="utf-8", errors="replace") as f:
+                lines = [line.strip() for line in f if line.strip()]
+        except OSError:
+            return "none"
+        return lines[-1][:300] if lines else "none"
 
     def restart(self, group: str) -> None:
         names = ["pp1"] if group == "pp1" else ["pp2-0", "pp2-1"]
@@ -200,6 +214,7 @@ class _Pool:
                 proc.join(5)
             conn.close()
         self.workers.clear()
+        shutil.rmtree(self.logs, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------- checks
@@ -254,26 +269,23 @@ def _check(pool: _Pool, job: Job, row: ZooResult) -> None:
 def _jobs_for(rel: str, outcome: Any, code: str | None, source: str) -> tuple[Job | None, str]:
     """The job checking ``outcome``'s decoder, or None and the reason none can be built.
 
-    The holder (``*ForCausalLM``) is built by its registry name; a holder no name builds (the language
-    model inside a registered multimodal class of the same file) is built from that class's text config.
+    What is built is what a user serves: a holder (``*ForCausalLM``) of the decoder that vLLM's registry
+    names, else a registered class of the same file (it holds the holder: OPTForCausalLM around OPTModel
+    around OPTDecoder; a multimodal model around its language model). The decoder is then found inside it
+    by class name.
     """
     module = module_of(rel)
     registered = _registered_classes(module, source)
-    holders = list(outcome.causal_lm) or registered
+    holders = list(outcome.causal_lm)
     attr = outcome.decoder_attr or "model"
-    for holder in holders:
+    for holder in [*holders, *(c for c in registered if c not in holders)]:
         arch = _architecture(module, holder)
         if arch is not None:
             return Job(file=rel, module=module, decoder=outcome.class_name, causal_lm=holder, architecture=arch,
                        decoder_attr=attr, code=code), ""
-    outer = [a for a in (_architecture(module, c) for c in registered) if a is not None]
-    if holders and outer:
-        return Job(file=rel, module=module, decoder=outcome.class_name, causal_lm=holders[0], architecture=holders[0],
-                   decoder_attr=attr, code=code, text_of=outer[0]), ""
-    named = ", ".join(holders) or "none"
     return None, (f"no architecture in vLLM's registry builds a class holding {outcome.class_name} "
-                  f"(holders in {rel}: {named}; registered classes in it: {', '.join(registered) or 'none'}), "
-                  "so vLLM cannot build it by name")
+                  f"(holders in {rel}: {', '.join(holders) or 'none'}; registered classes in it: "
+                  f"{', '.join(registered) or 'none'}), so vLLM cannot build it by name")
 
 
 def adapt_files(files: Sequence[str], progress: Callable[[str], None] | None = None) -> list[tuple[str, Any, str | None, str]]:
