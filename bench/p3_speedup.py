@@ -278,7 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each run")
     parser.add_argument("--pair", type=Path, default=None, help="DIR with target/ and draft/ (default: the demo pair)")
     parser.add_argument("--subprocess", action="store_true",
-                        help="a fresh interpreter per run (default on CPU; CUDA runs call the CLI in this process)")
+                        help="a fresh interpreter per run (default: the CLI's entry point called in this process, which "
+                             "reuses its warm stage forkserver)")
     parser.add_argument("--out", required=True, help="directory for p3_policy.json and p3_runs.jsonl")
     args = parser.parse_args(argv)
     try:
@@ -291,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     os.environ["PIPESPEC_BENCH_OUT"] = str(out)
     command = "python3 bench/p3_speedup.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    in_process = args.device == "cuda" and not args.subprocess
+    in_process = not args.subprocess
     results = measure(policy_runs(cs), args.tokens, args.repeats, args.device, command, args.pair, in_process=in_process,
                       pp=args.pp, speedups=False)
     print_table(f"P3 policy rows, PP={args.pp}", results)

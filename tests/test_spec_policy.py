@@ -258,6 +258,7 @@ def test_recorded_trace_where_drafting_wins() -> None:
     best = max(fixed_rate(WINS, True, 200), fixed_rate(WINS, False, 200))
     assert rate >= 0.97 * best
     assert modes.count(False) <= 10 and policy.spec_rounds >= 190
+    assert policy.trace()["trace"][0]["reason"].startswith("drafting beats plain decoding's estimated best by 1.5x")
 
 
 def test_recorded_trace_where_drafting_loses() -> None:

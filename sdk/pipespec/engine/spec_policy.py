@@ -234,6 +234,9 @@ class SpecPolicy:
         slack = self.few_rows_slack if spec.rows <= self.few_rows * spec.rounds else self.bound_slack
         if speculated and self._measuring and w.rows and spec.rate > spec.plain_bound * slack:
             # Drafting beats plain decoding's estimated best by far: no need to run plain to know.
+            if not self._plain_bounded or self._best is not True:  # a new reason: into the trace
+                self._note(now, f"drafting beats plain decoding's estimated best by {slack:g}x or more: plain not run",
+                           speculate_tps=spec.rate, plain_estimate_tps=spec.plain_bound)
             self._decided, self._plain_bounded = (spec.rate, spec.plain_bound), True
             self._best, self._measuring, self._exploit_until = True, [], now  # keep measuring drafting
             return
