@@ -7,6 +7,19 @@ machine with Python has it), seeded::
     python bench/train_demo.py --out /tmp/demo --device cuda      # the shipped size (a few min on one GPU)
     python bench/train_demo.py --out /tmp/pair --device cuda --preset medium --max-train-s 200
                                                                   # a ~51M target for GPU speedup runs (~5 min on one H200)
+    python bench/train_demo.py --retrain-draft sdk/pipespec/demo --out /tmp/d2 --device cuda --gen-sequences 16384 \
+        --draft-steps 6000 --batch-size 64 --max-train-s 300
+                                                                  # keep the demo target, train a new draft on
+                                                                  # the target's own greedy generations
+
+``--retrain-draft DIR`` is EAGLE3's recipe proper: the target (DIR/target, kept and copied to OUT) writes
+greedy continuations of prompts from the training files, its aux states over them are computed once,
+and the draft is trained with the unrolled test-time-training steps on them, each step's label being
+the token the target wrote (``--init-draft DIR`` starts from a trained draft instead of from scratch,
+its MLP cut to the recipe's size). On the 2-core CPU machine (2026-12-01, shared with four other
+agents) 2048 generations and ~700 steps from the shipped draft raised the training agreement to 0.79
+per step but lowered held-out acceptance (k = 3) from 2.21 to 1.94 — too few generations for the steps
+(overfitting); it needs the GPU's data rate.
 
 Steps, each timed in ``metrics.json``:
 
@@ -493,7 +506,8 @@ def train_draft_on_generations(
     params = [q for name, q in draft.named_parameters() if not name.startswith("embed_tokens.")]
     for param in target.parameters():
         param.requires_grad_(False)
-    opt = _optimizer(params, recipe.lr, 0.0, "cpu")
+    device = str(seqs.device.type)
+    opt = _optimizer(params, recipe.lr, 0.0, device)
     t2d = draft.t2d
     to_draft = torch.cumsum(t2d.long(), 0) - 1  # target id -> draft id (valid where t2d)
     length = seqs.shape[1]
@@ -516,7 +530,7 @@ def train_draft_on_generations(
         for i, logits_d in enumerate(step_logits):
             valid = roots - 1 - i  # roots t whose label x[t + 2 + i] is inside the sequence
             labels = ids[:, 2 + i : 2 + i + valid]
-            generated = torch.arange(valid) + 1 + i >= recipe.prompt_len - 1  # the label was written by the target
+            generated = torch.arange(valid, device=ids.device) + 1 + i >= recipe.prompt_len - 1  # written by the target
             mask = (t2d[labels] & generated).float()
             logp = torch.log_softmax(logits_d[:, :valid].float(), dim=-1)
             nll = -logp.gather(-1, to_draft[labels].clamp(min=0).unsqueeze(-1)).squeeze(-1)
@@ -604,7 +618,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="train nothing: measure DIR/target + DIR/draft (e.g. sdk/pipespec/demo) into OUT/eval.json")
     parser.add_argument("--retrain-draft", type=Path, metavar="DIR",
                         help="keep DIR/target (e.g. sdk/pipespec/demo) and train a new draft from scratch on its own "
-                             "greedy generations (EAGLE3's training-time test), on CPU: OUT/target, OUT/draft")
+                             "greedy generations (EAGLE3's training-time test): OUT/target, OUT/draft")
     parser.add_argument("--init-draft", type=Path, metavar="DIR",
                         help="--retrain-draft: start from this trained draft (its MLP pruned to the recipe's size, "
                              "its vocabulary kept) instead of from scratch")
@@ -730,7 +744,8 @@ def pruned_draft(path: Path, target: Any, sizes: Preset, aux_ids: Sequence[int])
 
 
 def retrain_draft(args: argparse.Namespace, argv: Sequence[str] | None, preset_name: str, p: Preset, log: Any) -> int:
-    """``--retrain-draft DIR``: keep DIR/target, train a new draft from scratch on its greedy generations."""
+    """``--retrain-draft DIR``: keep DIR/target, train a new draft on its greedy generations (from scratch, or
+    from ``--init-draft``), on ``--device``."""
     import shutil
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -747,8 +762,9 @@ def retrain_draft(args: argparse.Namespace, argv: Sequence[str] | None, preset_n
     t = time.perf_counter()
     train_texts, held_texts, corpus = load_corpus(p.max_corpus_chars)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    prompts = generation_prompts(tokenizer, train_texts, recipe.sequences, recipe.prompt_len, args.seed)
+    device = args.device
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+    prompts = generation_prompts(tokenizer, train_texts, recipe.sequences, recipe.prompt_len, args.seed).to(device)
     held = eval_prompts(tokenizer, held_texts, p.eval_prompts, p.eval_prompt_len, args.seed)
     seqs = greedy_generations(target, prompts, recipe.new_tokens, recipe.gen_batch, log)
     phases["generations_s"] = time.perf_counter() - t
@@ -769,26 +785,28 @@ def retrain_draft(args: argparse.Namespace, argv: Sequence[str] | None, preset_n
         log(f"draft: starting from {args.init_draft} ({init['intermediate_from']} -> {init['intermediate_to']} MLP units, "
             "the least used pruned; its vocabulary kept)")
     else:
-        draft_ids = draft_vocabulary(generated, int(target.config.vocab_size), recipe.draft_vocab_size)
+        draft_ids = draft_vocabulary(generated.cpu(), int(target.config.vocab_size), recipe.draft_vocab_size)
         draft = make_draft(sizes, target.config, draft_ids, aux_ids)
-    coverage = float(torch.isin(generated, draft_ids).float().mean())
+    draft.to(device)
+    coverage = float(torch.isin(generated.cpu(), draft_ids.cpu()).float().mean())
     draft_params = sum(q.numel() for name, q in draft.named_parameters() if not name.startswith("embed_tokens."))
     log(f"draft: EAGLE3, {draft_params:,} parameters (+ the target's embedding, shared), aux ids {list(aux_ids)}, "
         f"draft vocab {draft_ids.numel()} (covers {coverage:.1%} of generated tokens), {p.ttt_steps} TTT steps")
     draft_stats = train_draft_on_generations(draft, target, feats, seqs, recipe, p.ttt_steps, args.seed, log,
                                              args.max_train_s)
     phases["draft_training_s"] = draft_stats["seconds"]
-    draft.embed_tokens = None
+    draft.embed_tokens = None  # the target's (shared): moving the draft must not move it
+    draft.to("cpu")
     save_draft_checkpoint(draft, draft_dir, format="B", aux_layers=aux_ids, include_embedding=False,
                           dtype=torch.float16, verifier="pipespec-demo-target", num_speculative_tokens=3)
     from pipespec.cli.demo import SHIPPED_PROMPTS
 
     demo_prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in SHIPPED_PROMPTS]
-    demo_eval, _ = evaluate_checkpoints(target_dir, draft_dir, demo_prompts, 64, "cpu", log, ks=(3,))
-    evaluation, sample = evaluate_checkpoints(target_dir, draft_dir, held, p.eval_new_tokens, "cpu", log, ks=(3,))
+    demo_eval, _ = evaluate_checkpoints(target_dir, draft_dir, demo_prompts, 64, device, log, ks=(3,))
+    evaluation, sample = evaluate_checkpoints(target_dir, draft_dir, held, p.eval_new_tokens, device, log, ks=(3,))
     phases["evaluation_s"] = demo_eval["seconds"] + evaluation["seconds"]
     metrics = {
-        **run_record(argv, "cpu", preset_name, p, args.seed),
+        **run_record(argv, device, preset_name, p, args.seed),
         "recipe": {"kind": "EAGLE3 training-time test on the target's own greedy generations", **asdict(recipe),
                    "ttt_steps": p.ttt_steps, "target": str(source)},
         "corpus": corpus,
