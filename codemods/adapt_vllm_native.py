@@ -397,6 +397,18 @@ class _RewriteForward(cst.CSTTransformer):
         capture = cst.parse_statement(_wrapped_call("self._maybe_add_hidden_state", [
             aux, code_of(p.loop.next_id), p.hidden, self._residual()], indent=12))
         body = cst.ensure_type(updated_node.body, cst.IndentedBlock)
+        if p.before_capture is not None and p.end_capture is not None:  # the model's own capture before each layer
+            prelude = [
+                cst.parse_statement(f"{self.remote} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n")
+                .with_changes(leading_lines=original_node.leading_lines or [cst.EmptyLine(indent=False)]),
+                cst.parse_statement(f"{aux}{': list[torch.Tensor]' if self.annotate else ''} = []\n"),
+            ]
+            # the stage's last id, captured on every rank before the hand-off, computed as the model's
+            # own capture before a layer does (e.g. gathering sequence-parallel shards)
+            end = p.before_capture.with_changes(test=p.end_capture.test, leading_lines=[
+                cst.EmptyLine(indent=True, comment=cst.Comment("# the last id of this stage, on every rank")),
+            ])
+            return cst.FlattenSentinel([*prelude, updated_node.with_changes(leading_lines=()), end])
         if p.own_capture:  # the model's own after-layer capture stays; collect before the loop, nothing else
             prelude = [
                 cst.parse_statement(f"{self.remote} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n")
@@ -425,6 +437,15 @@ class _RewriteForward(cst.CSTTransformer):
             first,
         ]
         return cst.FlattenSentinel([*prelude, loop])
+
+    def leave_If(self, original_node: cst.If, updated_node: cst.If) -> cst.If:
+        if original_node is not self.plan.before_capture:
+            return updated_node
+        idx = self.plan.loop.next_id.left.value  # type: ignore[attr-defined]
+        header = cst.ensure_type(cst.parse_statement(  # id start_layer is the first rank's (vLLM's layout)
+            f"if {code_of(updated_node.test)} and (\n    {idx} != self.start_layer or get_pp_group().is_first_rank\n):\n"
+            "    pass\n"), cst.If)
+        return updated_node.with_changes(test=header.test, whitespace_before_test=header.whitespace_before_test)
 
     def leave_Return(self, original_node: cst.Return, updated_node: cst.Return) -> cst.Return:
         if id(original_node) not in self.nonlast:

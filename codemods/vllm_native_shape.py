@@ -154,6 +154,8 @@ class ForwardPlan:
     aux: str  # the name of the local aux list
     has_rank_check: bool  # forward already asks get_pp_group() (else the rewrite adds the first-rank check)
     own_capture: bool = False  # the loop keeps the model's own after-layer capture (see _own_value_captures)
+    before_capture: cst.If | None = None  # the model's own capture before each layer, kept and guarded ...
+    end_capture: cst.If | None = None  # ... and its `self.end_layer` capture, moved before the non-last return
 
 
 def _loop(loop: cst.For, used: set[str]) -> Loop:
@@ -375,6 +377,11 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
             remove.append(stmt)
     removed = {id(n) for n in remove}
     own = _own_value_captures(loop, parsed, aux, removed)
+    ahead, end = _before_layer_captures(body, loop, parsed, aux, removed) if not own else (None, None)
+    if ahead is not None and end is not None:
+        own = [ahead, end]
+        remove.append(end)
+        removed.add(id(end))
     if not own:
         _check_layer_call(fn, loop, hidden, residual)
         _check_after_loop(fn, body, loop, hidden, residual, nonlast)
@@ -410,7 +417,51 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
     if own:
         aux_name = next(iter(aux))
     return ForwardPlan(parsed, hidden, residual, bound, tuple(nonlast), tuple(last), tuple(remove), aux_name,
-                       rank_check, bool(own))
+                       rank_check, bool(own) and ahead is None, ahead, end)
+
+
+def _layer_call_at(loop: cst.For, parsed: Loop) -> int | None:
+    """Index, in the loop body, of the statement that calls the layer (``layer(...)`` / ``self.layers[i](...)``)."""
+    target = loop.target
+    names = {cst.ensure_type(target.elements[-1].value, cst.Name).value} if (
+        isinstance(target, cst.Tuple) and isinstance(target.elements[-1].value, cst.Name)) else set()
+    body = list(cst.ensure_type(loop.body, cst.IndentedBlock).body)
+    indexed = m.Subscript(value=self_attr(parsed.layers_attr))
+    for stmt in body:  # `layer = self.layers[i]` in a range loop
+        if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name())], value=indexed)])):
+            names.add(cst.ensure_type(cst.ensure_type(stmt.body[0], cst.Assign).targets[0].target, cst.Name).value)  # type: ignore[attr-defined]
+    call = m.Call(func=m.OneOf(*(m.Name(n) for n in names)) | indexed) if names else m.Call(func=indexed)
+    for i, stmt in enumerate(body):
+        if m.findall(stmt, m.Assign(value=call)):
+            return i
+    return None
+
+
+def _before_layer_captures(body: list[cst.BaseStatement], loop: cst.For, parsed: Loop, aux: set[str],
+                           removed: set[int]) -> tuple[cst.If | None, cst.If | None]:
+    """The model's own capture *before* each layer (``if idx in self.aux_hidden_state_layers:`` ahead of
+    the layer call: id ``idx`` is what enters layer ``idx``) and its last id after the loop (``if
+    self.end_layer in self.aux_hidden_state_layers:``), e.g. DeepSeek-V2's, which all-gathers
+    sequence-parallel shards. Kept as the model computes them; the rewrite guards id ``start_layer`` to
+    the first rank and moves the ``end_layer`` capture before the non-last return, so every rank
+    captures exactly its own ids."""
+    if len(aux) != 1 or not m.matches(parsed.next_id, m.BinaryOperation(left=m.Name(), operator=m.Add(), right=m.Integer("1"))):
+        return None, None
+    idx = cst.ensure_type(cst.ensure_type(parsed.next_id, cst.BinaryOperation).left, cst.Name).value
+    layer_at = _layer_call_at(loop, parsed)
+    if layer_at is None:
+        return None, None
+    layers = m.Attribute(value=m.Name("self"), attr=m.Name("aux_hidden_state_layers"))
+    inside = list(cst.ensure_type(loop.body, cst.IndentedBlock).body)
+    before = [s for s in inside[:layer_at] if id(s) not in removed and isinstance(s, cst.If) and s.orelse is None
+              and m.matches(s.test, m.Comparison(left=m.Name(idx), comparisons=[m.ComparisonTarget(m.In(), layers)]))
+              and names_in(s.body) & aux]
+    at = next(i for i, s in enumerate(body) if s is loop)
+    end = [s for s in body[at + 1:] if isinstance(s, cst.If) and s.orelse is None and names_in(s.body) & aux
+           and m.matches(s.test, m.Comparison(left=self_attr("end_layer"), comparisons=[m.ComparisonTarget(m.In(), layers)]))]
+    if len(before) != 1 or len(end) != 1 or idx in names_in(before[0].body):
+        return None, None
+    return before[0], end[0]
 
 
 def _own_value_captures(loop: cst.For, parsed: Loop, aux: set[str], removed: set[int]) -> list[cst.If]:

@@ -480,3 +480,46 @@ def test_spec_embed_table_loads_and_is_validated() -> None:
         spec_from_mapping({**base, "embed": {"decoder_attr": "a.b"}}, "gpt2.toml")
     with pytest.raises(SpecError, match=r"adapter\.dialect = 'vllm2' is invalid: use one of hf, vllm, pipespec"):
         spec_from_mapping({"adapter": {**base["adapter"], "dialect": "vllm2"}}, "gpt2.toml")
+
+
+def test_models_own_capture_before_each_layer_is_kept_and_made_per_stage() -> None:
+    """DeepSeek-V2's shape: its capture before layer idx (id idx, gathering shards) stays; id start_layer
+    becomes the first rank's, and the end_layer capture (after the non-last return) moves before it and
+    computes its value the way the in-loop capture does."""
+    capture = ("if idx in self.aux_hidden_state_layers:\n    value = hidden_states + residual\n"
+               "    if value.shape[0] != positions.shape[0]:\n        value = gather(value)\n"
+               "    aux_hidden_states.append(value)\n")
+    loop = ("aux_hidden_states = []\n"
+            "for idx, layer in enumerate(islice(self.layers, self.start_layer, self.end_layer), start=self.start_layer):\n"
+            + textwrap.indent(capture, "    ") + "    hidden_states, residual = layer(hidden_states, residual)\n")
+    tail = TAIL.replace("            hidden_states, _ = self.norm(hidden_states, residual)\n",
+                        "            if self.end_layer in self.aux_hidden_state_layers:\n"
+                        "                aux_hidden_states.append(hidden_states + residual)\n"
+                        "            hidden_states, _ = self.norm(hidden_states, residual)\n"
+                        "            if len(aux_hidden_states) > 0:\n                return hidden_states, aux_hidden_states\n")
+    result = adapt(HEAD + textwrap.indent(loop, " " * 12) + tail)
+    assert [d.status for d in result.decoders] == ["adapted"], result.decoders
+    code = result.code
+    assert ("            if idx in self.aux_hidden_state_layers and (\n"
+            "                idx != self.start_layer or get_pp_group().is_first_rank\n            ):\n") in code
+    end = code.index("        if self.end_layer in self.aux_hidden_state_layers:\n            value = hidden_states + residual\n")
+    assert end < code.index("        if not get_pp_group().is_last_rank:")
+    assert code.count("self.end_layer in self.aux_hidden_state_layers") == 1
+    assert "_maybe_add_hidden_state" not in code  # the model's own capture is the only one
+    assert adapt_vllm_module(code, label="toy.py").code == code
+
+
+def test_models_own_value_after_each_layer_is_kept() -> None:
+    """DeepSeek-V4's shape: `if (idx + 1) in self.aux_hidden_state_layers:` with a model-defined value
+    after the layer stays as written; collect / pack / concatenation go around it, as in vLLM's own
+    PP-correct DeepSeek-V4 (which captures no id start_layer)."""
+    loop = ("aux_hidden_states: list[torch.Tensor] = []\n"
+            "for idx, layer in enumerate(islice(self.layers, self.start_layer, self.end_layer), start=self.start_layer):\n"
+            "    hidden_states, residual, mix = layer(hidden_states, residual, mix)\n"
+            "    if (idx + 1) in self.aux_hidden_state_layers:\n"
+            "        aux_hidden_states.append(reconstruct(hidden_states, residual, mix).mean(dim=1))\n")
+    code = adapt(HEAD + textwrap.indent(loop, " " * 12) + TAIL).code
+    assert ("                aux_hidden_states.append(reconstruct(hidden_states, residual, mix).mean(dim=1))\n") in code
+    assert "_maybe_add_hidden_state" not in code and "remote_aux = self.collect_remote_aux_hidden_states" in code
+    assert "**self.pack_local_aux_hidden_states(aux_hidden_states)," in code
+    assert "aux_hidden_states = remote_aux + aux_hidden_states" in code

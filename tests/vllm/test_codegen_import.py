@@ -10,6 +10,7 @@ over ``EagleModelMixin`` (the decoder), as vLLM's llama.py does.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -79,3 +80,30 @@ def test_already_correct_files_come_back_byte_identical() -> None:
         source = (VLLM / rel).read_text()
         result = adapt_vllm_module(source, label=f"vllm/{rel}")
         assert result.code == source and {d.status for d in result.decoders} == {"unchanged"}, rel
+
+
+SUBPROCESS = """
+import importlib.util, sys
+from vllm.model_executor.models.interfaces import EagleModelMixin, supports_eagle3
+spec = importlib.util.spec_from_file_location("vllm.model_executor.models.deepseek_v2_pipespec", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module
+spec.loader.exec_module(module)
+assert "vllm.model_executor.models.deepseek_v2" not in sys.modules
+assert issubclass(module.DeepseekV2Model, EagleModelMixin)
+assert module.DeepseekV2Model.__dict__["supports_aux_hidden_states_over_pp"] is True
+assert supports_eagle3(module.DeepseekV2ForCausalLM)
+print("ok")
+"""
+
+
+@pytest.mark.timeout(500)
+def test_deepseek_v2_adapted_imports_in_a_process_of_its_own(tmp_path: Path) -> None:
+    """deepseek_v2.py registers custom ops at import (vllm::min_latency_fused_qkv_a_proj), so its adapted
+    copy and the original cannot both be imported in one process: the copy is checked in its own."""
+    result = adapt_vllm_module((MODELS / "deepseek_v2.py").read_text(), label="vllm/model_executor/models/deepseek_v2.py")
+    assert [d.status for d in result.decoders] == ["adapted"]
+    path = tmp_path / "deepseek_v2_pipespec.py"
+    path.write_text(result.code)
+    proc = subprocess.run([sys.executable, "-c", SUBPROCESS, str(path)], capture_output=True, text=True, timeout=450)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
