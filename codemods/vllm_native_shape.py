@@ -318,6 +318,14 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
     loop = loops[0]
     body = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
     if not any(s is loop for s in body):
+        try:
+            runs = _layer_call_at(loop, _loop(loop, names_in(fn))) is not None
+        except Decline:
+            runs = True
+        if not runs:
+            raise Decline(f"forward's only loop over this stage's layers (`for ... in {code_of(loop.iter)}`, nested "
+                          "in another statement) does not call them: the layers run elsewhere (a helper method), "
+                          "which this rewrite does not follow", loop)
         raise Decline(f"the layer loop `for ... in {code_of(loop.iter)}` is nested inside another statement "
                       "(only a loop at forward's top level is understood)", loop)
     if loop.orelse is not None:
