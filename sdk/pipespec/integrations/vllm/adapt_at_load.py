@@ -163,7 +163,9 @@ def apply_to_engine_config(vllm_config: Any) -> Decision | None:
         return None
     model_config = vllm_config.model_config
     pp = vllm_config.parallel_config.pipeline_parallel_size
-    check_draft_aux_ids(speculative, model_config.hf_text_config.num_hidden_layers)
+    num_layers = getattr(model_config.hf_text_config, "num_hidden_layers", None)
+    if isinstance(num_layers, int):
+        check_draft_aux_ids(speculative, num_layers)
     if pp > 1 and not v2_runner_available(vllm_config):
         raise UnsupportedModelError(runner_refusal(method, pp))
     cls, architecture = model_config.registry.resolve_model_cls(model_config.architectures, model_config=model_config)
