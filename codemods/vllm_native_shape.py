@@ -433,6 +433,8 @@ def _layer_call_at(loop: cst.For, parsed: Loop) -> int | None:
     target = loop.target
     names = {cst.ensure_type(target.elements[-1].value, cst.Name).value} if (
         isinstance(target, cst.Tuple) and isinstance(target.elements[-1].value, cst.Name)) else set()
+    if isinstance(target, cst.Name) and not m.matches(loop.iter, _RANGE):  # `for layer in islice(...)`
+        names.add(target.value)
     body = list(cst.ensure_type(loop.body, cst.IndentedBlock).body)
     indexed = m.Subscript(value=self_attr(parsed.layers_attr))
     for stmt in body:  # `layer = self.layers[i]` in a range loop
