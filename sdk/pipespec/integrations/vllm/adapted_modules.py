@@ -93,8 +93,9 @@ def parse_adapted_module_name(name: str) -> tuple[str, str, str] | None:
 def choose_spec(architecture: str, cls: type) -> SpecChoice:
     """The registry's spec for the architecture or class (built-in, PIPESPEC_ADAPTERS_PATH, decorator).
 
-    A spec that says ``supported = false`` refuses; a spec of the ``hf`` dialect describes a transformers
-    class, so for the vLLM file the codemod infers the shape itself and the spec is only named.
+    A vLLM-dialect spec that says ``supported = false`` refuses; a spec of the ``hf`` dialect describes
+    the transformers class (its verdict and shape are about that code), so for the vLLM file the codemod
+    infers the shape itself and the spec is only named.
     """
     registry = default_registry()
     entry = registry.lookup_entry(architecture) or registry.lookup_entry(cls)
@@ -103,13 +104,13 @@ def choose_spec(architecture: str, cls: type) -> SpecChoice:
     spec = entry.spec
     where = {"builtin": "built-in", "path": "PIPESPEC_ADAPTERS_PATH", "decorator": "@pipespec.adapter"}[entry.origin]
     label = f"{where} {spec.name}" if entry.origin != "path" else f"{where} {Path(spec.source).name}"
+    if spec.dialect != "vllm":
+        return SpecChoice(None, f"inferred; {label} describes the transformers class")
     if not spec.supported:
         raise UnsupportedModelError(
             f"{architecture} does not support EAGLE3 hidden-state capture: {spec.reason.rstrip('.')} "
             f"({spec.source} says supported = false). Remove or fix that spec to let pipespec adapt the class"
         )
-    if spec.dialect != "vllm":
-        return SpecChoice(None, f"inferred; {label} describes the transformers class")
     _check_decoder_class(spec, cls)
     return SpecChoice(spec, label)
 
@@ -167,6 +168,8 @@ def _cache_path(module_name: str, key: str) -> Path | None:
 
 
 def _write_atomically(path: Path, text: str) -> bool:
+    """Write ``path`` whole or not at all (processes starting together may write the same entry)."""
+    tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".py")
@@ -175,6 +178,8 @@ def _write_atomically(path: Path, text: str) -> bool:
         os.replace(tmp, path)
         return True
     except OSError as exc:  # a read-only home: the module still builds in memory
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
         logger.debug("pipespec: cannot write the adapted-module cache %s (%s)", path, exc)
         return False
 
