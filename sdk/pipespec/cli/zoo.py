@@ -299,6 +299,12 @@ def _require_vllm() -> str:
 
 
 def _vllm_files(text: str | None) -> list[str]:
+    """The model files to check; reads the installed vllm package's files without importing vLLM (so a
+    bad --files value is one line, before vLLM's import-time warnings)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError(NEEDS_VLLM)
     from pipespec.integrations.vllm.zoo import decoder_files
 
     every = decoder_files()
@@ -345,8 +351,8 @@ class _VllmProgress:
 
 
 def _run_vllm(args: argparse.Namespace) -> int:
-    version = _require_vllm()
     files = _vllm_files(args.files)
+    version = _require_vllm()
     import torch
     import transformers
 

@@ -74,9 +74,13 @@ class ZooResult:
 
 
 def vllm_root() -> str:
-    import vllm
+    """The installed vllm package directory, found without importing vLLM."""
+    import importlib.util
 
-    return os.path.dirname(os.path.abspath(vllm.__file__))
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("No module named 'vllm'", name="vllm")
+    return os.path.abspath(list(spec.submodule_search_locations)[0])
 
 
 def decoder_files(only: Sequence[str] | None = None) -> list[str]:
@@ -223,8 +227,8 @@ def _check(pool: _Pool, job: Job, row: ZooResult) -> None:
     from pipespec.layout import plan_layout
 
     kind, answer = pool.ask("pp1", ("pp1", (job,)))
-    if kind != "ok":
-        row.status, row.reason = "failed", f"PP=1: {answer}"
+    if kind != "ok":  # a mismatch names its check itself ("PP=1: aux id ...", "... at PP=1")
+        row.status, row.reason = "failed", answer if kind == "mismatch" else f"PP=1: {answer}"
         return
     n, ids, reference = answer["num_layers"], tuple(answer["ids"]), answer["reference"]
     row.num_layers, row.aux_layers, row.max_abs_err_pp1 = n, ids, answer["max_abs_err"]
@@ -248,6 +252,11 @@ def _check(pool: _Pool, job: Job, row: ZooResult) -> None:
     kind, last = pool.ask("pp2-1", ("stage", (job, ids, first["tensors"])))
     if kind != "ok":
         row.status, row.reason = "failed", f"PP=2 rank 1: {last}"
+        return
+    if (last["start"], last["end"]) != (plan.stage(1).start_layer, plan.stage(1).end_layer):
+        row.status = "failed"
+        row.reason = (f"PP=2 rank 1 owns layers [{last['start']}, {last['end']}), the layout plan says "
+                      f"[{plan.stage(1).start_layer}, {plan.stage(1).end_layer})")
         return
     got = last["aux"]
     if len(got) != len(ids):
