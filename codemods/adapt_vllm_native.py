@@ -37,7 +37,6 @@ from pipespec.codemods.import_edits import add_first_party_import
 from pipespec.codemods.vllm_forward_shape import is_docstring, names_in, self_attr
 from pipespec.codemods.vllm_native_shape import (
     FLAG,
-    RANK,
     Decline,
     ForwardPlan,
     code_of,
@@ -45,7 +44,6 @@ from pipespec.codemods.vllm_native_shape import (
     is_pp_decoder,
     methods,
     own_flag,
-    own_scope,
     params_of,
 )
 from pipespec.errors import UsageError
@@ -134,10 +132,10 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
         causal = tuple(h.cls.name.value for h in held)
         attr = held[0].attr if held else None
         try:
-            status, reason = _judge(dec, line_of)
+            status, reason = _judge(dec)
             if status == "adapted":
                 plan = forward_plan(dec, line_of)
-                new_dec, imports = _adapt_decoder(replace.get(id(dec), dec), plan, spec, label, module, line_of)
+                new_dec, imports = _adapt_decoder(replace.get(id(dec), dec), plan, spec, label, module)
                 if spec is not None and held and spec.embed_decoder_attr not in (None, attr):
                     raise Decline(f"spec {spec.name} ({spec.source}) says embed.decoder_attr = "
                                   f"{spec.embed_decoder_attr!r} but {causal[0]} holds {name} as self.{attr}: fix the spec", held[0].cls)
@@ -243,7 +241,7 @@ def _select(decoders: list[cst.ClassDef], holders: dict[str, list[_Holder]], cla
     return chosen
 
 
-def _judge(dec: cst.ClassDef, line_of: object) -> tuple[str, str]:
+def _judge(dec: cst.ClassDef) -> tuple[str, str]:
     """``unchanged`` when the class already follows the contract itself; ``Decline`` for an explicit opt-out."""
     flag = own_flag(dec)
     forward = methods(dec)["forward"]
@@ -264,7 +262,7 @@ def _judge(dec: cst.ClassDef, line_of: object) -> tuple[str, str]:
 
 # ---------------------------------------------------------------------------------------- decoder
 def _adapt_decoder(dec: cst.ClassDef, plan: ForwardPlan, spec: AdapterSpec | None, label: str,
-                   module: cst.Module, line_of: object) -> tuple[cst.ClassDef, set[str]]:
+                   module: cst.Module) -> tuple[cst.ClassDef, set[str]]:
     imports: set[str] = set()
     if spec is not None and plan.loop.layers_attr != spec.layers_attr:
         raise Decline(f"the loop runs self.{plan.loop.layers_attr} but spec {spec.name} ({spec.source}) says "
@@ -721,5 +719,4 @@ def _stamp(module: cst.Module, label: str, classes: list[str]) -> cst.Module:
     return module.with_changes(header=[*header, *gap, *lines, cst.EmptyLine()])
 
 
-__all__ = ["DecoderOutcome", "VllmAdaptation", "adapt_vllm_module", "GENERATOR", "GENERATOR_VERSION",
-           "RANK", "own_scope"]
+__all__ = ["DecoderOutcome", "VllmAdaptation", "adapt_vllm_module", "GENERATOR", "GENERATOR_VERSION"]
