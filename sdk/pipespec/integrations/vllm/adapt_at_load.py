@@ -211,7 +211,13 @@ def verify_architecture(architecture: str | None, method: str, pp: int, cls: typ
                             f"{architecture} is not an architecture of vLLM {_vllm_version()} (nor of any loaded vLLM "
                             "plugin): check the spelling (config.json's `architectures`), or register the model with "
                             "ModelRegistry.register_model")
-        cls = entry.load_model_cls()
+        try:
+            cls = entry.load_model_cls()
+        except Exception as exc:  # e.g. a multimodal model whose processor needs torchvision
+            where = f"{getattr(entry, 'module_name', '?')}:{getattr(entry, 'class_name', architecture)}"
+            return Decision(architecture, where, "refuse",
+                            f"{architecture}: vLLM's class {where} cannot be imported here ({type(exc).__name__}: "
+                            f"{exc}), so pipespec can neither check nor adapt it; install what it needs and retry")
     name = architecture or cls.__name__
     if method in EAGLE3_FAMILY and pp > 1 and not v2_runner_available():
         return Decision(name, _class_path(cls), "refuse", runner_refusal(method, pp))
