@@ -234,8 +234,8 @@ def test_pipeline_sweep_script_measures_fixed_length_prompts_and_writes_its_file
     rows = {row["id"]: row for row in json.loads((out / "pipeline_sweep.json").read_text())}
     assert set(rows) == {"pipeline.ratio.c3.p40", "pipeline.tokens_per_s.c3.p40.mb1", "pipeline.tokens_per_s.c3.p40.mb2",
                          "pipeline.default.c3.p40"}
-    # On CPU the default is P (two micro-batches paid at every c measured there).
-    assert "default --micro-batches picked 2 (2 micro-batches: 8 tokens per micro-batch forward >= 1 on cpu)" in (
+    # c = 3 at k = 3: 8 tokens per micro-batch forward with two, below the CPU threshold: one.
+    assert "default --micro-batches picked 1 (one micro-batch: 2 would carry 8 tokens per forward each, < 64 on cpu" in (
         rows["pipeline.default.c3.p40"]["detail"])
     ratio = rows["pipeline.ratio.c3.p40"]
     assert "outputs identical" in ratio["detail"] and "prompts of 40 tokens" in ratio["detail"]
@@ -243,7 +243,7 @@ def test_pipeline_sweep_script_measures_fixed_length_prompts_and_writes_its_file
                                            / rows["pipeline.tokens_per_s.c3.p40.mb1"]["value"])
     runs = [json.loads(line) for line in (out / "pipeline_runs.jsonl").read_text().splitlines()]
     assert [r["micro_batches"] for r in runs] == [1, 2, 0]  # 0: no --micro-batches (the default rule)
-    assert [r["generate"]["micro_batches"] for r in runs] == [1, 2, 2]
+    assert [r["generate"]["micro_batches"] for r in runs] == [1, 2, 1]
     assert all(r["prompt_len"] == 40 and len(r["generate"]["outputs"]) == 3 for r in runs)
     assert all(len(o["output_ids"]) == 3 for r in runs for o in r["generate"]["outputs"])
 

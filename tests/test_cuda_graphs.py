@@ -153,7 +153,7 @@ def _generate(capsys: pytest.CaptureFixture[str], graphs: str, prompts: Path, pp
     target, draft = shipped_pair()
     assert main(["generate", "--target", str(target), "--draft", str(draft), "--pp", str(pp), "--prompts-file", str(prompts),
                  "--max-new-tokens", "40", "--ignore-eos", "--json", "--spec-policy", "always", "--timeout", "60",
-                 "--cuda-graphs", graphs]) == 0
+                 "--cuda-graphs", graphs, "--micro-batches", str(pp)]) == 0
     return json.loads(capsys.readouterr().out)
 
 

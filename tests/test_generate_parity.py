@@ -320,6 +320,6 @@ def test_sliding_window_model_runs_one_forward_per_sequence_and_stays_lossless(
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt_ids": p, "max_new_tokens": m}) + "\n" for p, m in PROMPTS))
     result = generate(capsys, "--target", str(target), "--draft", str(draft), "--pp", "2", "--prompts-file", str(path),
-                      "--num-spec-tokens", "3")
+                      "--num-spec-tokens", "3", "--micro-batches", "2")
     assert result["batched_forwards"] is False and result["micro_batches"] == 2
     check_against_oracles(result, target, draft, PROMPTS, 3)

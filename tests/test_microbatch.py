@@ -60,16 +60,20 @@ def test_sequences_are_spread_over_micro_batches_in_request_order() -> None:
 
 
 @pytest.mark.parametrize(("pp", "requests", "cap", "tokens_per_row", "device", "expected"), [
-    (4, 2, None, 4, "cpu", 2),  # CPU: P (never more than the sequences) whatever the tokens per forward
-    (2, 8, None, 1, "cpu", 2),
-    (4, 128, 3, 4, "cpu", 3),  # capped at 3 running
-    (2, 8, None, 4, "cuda", 1),  # c = 8, k = 3: 16 tokens per micro-batch forward
+    (4, 2, None, 4, "cpu", 1),  # 1 row x 4 tokens per micro-batch: far below the threshold
+    (2, 8, None, 4, "cpu", 1),  # c = 8, k = 3: 16 tokens per micro-batch forward
+    (2, 32, None, 4, "cpu", 2),  # c = 32, k = 3: 64
+    (2, 32, None, 1, "cpu", 1),  # c = 32, plain decoding: 16
+    (2, 128, None, 1, "cpu", 2),  # c = 128, plain decoding: 64
+    (4, 128, 64, 4, "cpu", 4),  # capped at 64 running: 16 rows x 4 per micro-batch
+    (4, 128, 48, 4, "cpu", 1),  # capped at 48 running: 12 rows x 4
+    (2, 8, None, 4, "cuda", 1),
     (2, 32, None, 4, "cuda", 1),  # 64 tokens: measured 14-23 % slower on 2x H200
     (2, 128, None, 4, "cuda", 2),  # 256 tokens: measured 1.44-2.02x
     (2, 128, None, 1, "cuda", 1),  # plain decoding at c = 128: 64 tokens
-    (4, 512, 256, 4, "cuda", 4),  # 64 rows x 4 per micro-batch behind --max-num-seqs 256
     (2, 128, None, 4, "xpu", 2),  # no threshold of its own: CUDA's
     (2, 32, None, 4, "xpu", 1),
+    (3, 2, None, 400, "cuda", 2),  # never more micro-batches than sequences
     (1, 500, None, 4, "cuda", 1),  # one stage
 ])
 def test_the_default_micro_batch_count_follows_tokens_per_forward(

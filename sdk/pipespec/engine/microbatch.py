@@ -56,13 +56,13 @@ Status = Literal["waiting", "running", "finished", "cancelled"]
 
 
 # The default micro-batch rule: P micro-batches only when each one's verify forward carries at least
-# this many tokens (rows x tokens per row), else one. Measured (docs/benchmarks.md, "Micro-batches by
-# measurement"): on 2x H200 a decode forward at <= 64 tokens per micro-batch reads the weights whatever
-# the rows, so two micro-batches cost 14-23 % (c = 8 and 32 at k = 3: 16 and 64 tokens per micro-batch),
-# and pay 1.44-2.02x at 256 (c = 128, k = 3). On the 2-core CPU machine two micro-batches paid at every
-# c measured (k = 3: 1.95x at c = 8, 1.74x at 32, 1.14x at 128; medians of 3): the stages are separate
-# processes, and with one micro-batch each waits for the other's whole forward.
-MIN_TOKENS_PER_FORWARD = {"cuda": 256, "cpu": 1}
+# this many tokens (rows x tokens per row), else one. Measured (docs/benchmarks.md, "Defaults that never
+# lose"): on 2x H200 a decode forward at <= 64 tokens per micro-batch reads the weights whatever the rows,
+# so two micro-batches cost 14-23 % at c = 8 and 32 (k = 3: 16 and 64 tokens per micro-batch), and paid
+# 1.44-2.02x at 256 (c = 128). On the shared 2-core CPU machine three sessions disagree run to run
+# (two micro-batches ÷ one at k = 3: c = 8 0.96 / 1.95 / 0.69, c = 32 1.27 / 1.74 / 0.60, c = 128
+# 1.14 / 1.07); the threshold follows their medians: one at 16 tokens (c = 8), two from 64 (c = 32).
+MIN_TOKENS_PER_FORWARD = {"cuda": 256, "cpu": 64}
 
 
 def micro_batch_rule(pp: int, num_requests: int, max_num_seqs: int | None = None, *, tokens_per_row: int = 1,
