@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -77,6 +78,8 @@ def import_adapted(path: Path, code: str, vllm_dir: Path) -> str:
             load_as(name, out)
         except Exception as exc:  # report, keep surveying
             last = traceback.format_exception_only(type(exc), exc)[-1].strip()[:300]
+            if "register an operator" in last:  # the original, imported here already, registered its ops
+                return import_in_own_process(name, out)
         else:
             return "ok"
         finally:
@@ -87,6 +90,18 @@ def import_adapted(path: Path, code: str, vllm_dir: Path) -> str:
         original = traceback.format_exception_only(type(exc), exc)[-1].strip()[:300]
         return f"env: the original does not import either ({original})"
     return last
+
+
+def import_in_own_process(name: str, path: Path) -> str:
+    """A module that registers custom ops at import cannot share a process with its original."""
+    code = ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location({name!r}, {str(path)!r})\n"
+            "module = importlib.util.module_from_spec(spec); sys.modules[spec.name] = module\n"
+            "spec.loader.exec_module(module)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    if proc.returncode == 0:
+        return "ok"
+    return (proc.stderr.strip().splitlines() or ["failed"])[-1][:300]
 
 
 def load_as(name: str, path: Path) -> types.ModuleType:
