@@ -143,3 +143,18 @@ def test_spec_on_the_adapters_path_guides_the_adaptation_and_is_named(cli, tmp_p
     code, result = _json(cli, "--architecture", "MixtralForCausalLM", "--pp", "1", PIPESPEC_ADAPTERS_PATH=str(tmp_path))
     assert code == 0
     assert (result["decision"], result["spec"]) == ("adapt", "PIPESPEC_ADAPTERS_PATH mixtral_vllm.toml")
+
+
+@pytest.mark.parametrize("pp, env", [(1, {}), (2, {"VLLM_USE_V2_MODEL_RUNNER": "1"})])
+def test_inherited_flag_over_an_overriding_forward_is_adapted(cli, pp: int, env: dict[str, str]) -> None:
+    """vLLM's check passes on the inherited flag (qwen3_vl's bug); pipespec judges the forward and adapts."""
+    code, result = _json(cli, "--class", "toy_inherited:OverridingQwen2ForCausalLM", "--pp", str(pp), **env)
+    assert code == 0 and result["decision"] == "adapt"
+    assert "`OverridingQwen2Model.forward`" in result["reason"]
+    assert "supports_aux_hidden_states_over_pp = True is only inherited from `Qwen2Model`" in result["reason"]
+
+
+def test_transparent_override_keeps_support(cli) -> None:
+    """MistralModel's forward only delegates to super().forward: supported as is, nothing adapted."""
+    code, result = _json(cli, "--architecture", "MistralForCausalLM", "--pp", "2", VLLM_USE_V2_MODEL_RUNNER="1")
+    assert code == 0 and result["decision"] == "supported"

@@ -6,7 +6,8 @@ runs the same weights as vLLM does:
 
 * ``mixtral``   — one expert, top-1 routing (the router's softmax over one expert is exactly 1);
 * ``granitemoe`` — one expert, every Granite multiplier 1 except ``attention_multiplier`` = head_dim**-0.5;
-* ``qwen2_moe`` — every layer in ``mlp_only_layers`` (dense Qwen2 MLP), zero q/k/v biases.
+* ``qwen2_moe`` — every layer in ``mlp_only_layers`` (dense Qwen2 MLP), zero q/k/v biases;
+* ``qwen2``     — zero q/k/v biases (vLLM supports Qwen2; the tests put an out-of-tree subclass over it).
 
 ``write_family`` writes the names vLLM's loaders read (the families' published checkpoint layout);
 ``write_transformers_layout`` re-saves one with the state-dict names of the installed transformers
@@ -109,20 +110,38 @@ def _qwen2_moe(tensors: dict[str, torch.Tensor], config: dict, n: int) -> dict[s
     return out
 
 
+def _qwen2(tensors: dict[str, torch.Tensor], config: dict, n: int) -> dict[str, torch.Tensor]:
+    config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
+                  sliding_window=None, max_window_layers=n)
+    out = _common(tensors, n)
+    for i in range(n):
+        p = f"model.layers.{i}."
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{p}mlp.{proj}.weight"] = tensors[f"{p}mlp.{proj}.weight"]
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            out[f"{p}self_attn.{proj}.bias"] = torch.zeros(tensors[f"{p}self_attn.{proj}.weight"].shape[0])
+    return out
+
+
 _WRITERS: dict[str, Callable[[dict[str, torch.Tensor], dict, int], dict[str, torch.Tensor]]] = {
-    "mixtral": _mixtral, "granitemoe": _granitemoe, "qwen2_moe": _qwen2_moe,
+    "mixtral": _mixtral, "granitemoe": _granitemoe, "qwen2_moe": _qwen2_moe, "qwen2": _qwen2,
 }
 
 
-def write_family(family: str, target: Path, out: Path) -> Path:
-    """Write the Llama checkpoint at ``target`` as a ``family`` checkpoint (float32) in ``out``."""
+def write_family(family: str, target: Path, out: Path, architecture: str | None = None) -> Path:
+    """Write the Llama checkpoint at ``target`` as a ``family`` checkpoint (float32) in ``out``.
+
+    ``architecture`` renames ``architectures`` (an out-of-tree class over the family's weights).
+    """
     if family not in _WRITERS:
-        raise ValueError(f"unknown family {family!r}: use one of {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown family {family!r}: use one of {', '.join(_WRITERS)}")
     llama = json.loads((target / "config.json").read_text())
     tensors = {k: v.float() for k, v in load_file(str(target / "model.safetensors")).items()}
     n = _layers(tensors)
     config = _base_config(llama)
     weights = _WRITERS[family](tensors, config, n)
+    if architecture is not None:
+        config["architectures"] = [architecture]
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

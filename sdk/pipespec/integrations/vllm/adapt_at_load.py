@@ -72,6 +72,12 @@ def decide(architecture: str, cls: type, method: str = "eagle3", pp: int = 1) ->
     if method not in EAGLE3_FAMILY:
         return Decision(architecture, path, "skip", f"{method!r} is not an EAGLE3-family method ({', '.join(EAGLE3_FAMILY)})")
     before = judge_vllm_class(cls, pp=pp)
+    if before.supported and pp == 1:
+        # vLLM checks only the interfaces at PP = 1; a forward that overrides the flag-carrying parent's
+        # without aux handling (qwen3_vl's Qwen3LLMModel) returns no aux states there either.
+        over_pp = judge_vllm_class(cls, pp=2)
+        if not over_pp.supported and over_pp.supported_by is not None and not over_pp.opted_out:
+            before = over_pp
     if before.supported:
         return Decision(architecture, path, "supported", before.message(method, cls.__name__))
     head = f"{cls.__name__} does not support {_needs(method, pp)}: {before.reason}"

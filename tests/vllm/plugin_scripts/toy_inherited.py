@@ -1,0 +1,47 @@
+"""vLLM 0.32's qwen3_vl / MossQwen3 bug, out of tree: a subclass that inherits the aux-over-PP flag.
+
+``OverridingQwen2Model`` subclasses vLLM's ``Qwen2Model`` (which sets
+``supports_aux_hidden_states_over_pp = True``) and overrides ``forward`` with a plain PP loop that
+captures nothing. vLLM's own check reads the inherited flag and lets it through; over PP the draft would
+then read missing aux states. pipespec judges the class itself and adapts it (or refuses it).
+"""
+
+from __future__ import annotations
+
+from itertools import islice
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed import get_pp_group
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
+from vllm.model_executor.models.utils import maybe_prefix
+from vllm.sequence import IntermediateTensors
+
+
+class OverridingQwen2Model(Qwen2Model):
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if get_pp_group().is_first_rank:
+            hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            residual = None
+        else:
+            assert intermediate_tensors is not None
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class OverridingQwen2ForCausalLM(Qwen2ForCausalLM):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.model = OverridingQwen2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
