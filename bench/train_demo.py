@@ -8,7 +8,7 @@ machine with Python has it), seeded::
     python bench/train_demo.py --out /tmp/pair --device cuda --preset medium --max-train-s 200
                                                                   # a ~51M target for GPU speedup runs (~5 min on one H200)
     python bench/train_demo.py --retrain-draft sdk/pipespec/demo --out /tmp/d2 --device cuda --gen-sequences 16384 \
-        --draft-steps 6000 --batch-size 64 --max-train-s 300
+        --gen-batch 512 --draft-steps 6000 --batch-size 64 --max-train-s 300
                                                                   # keep the demo target, train a new draft on
                                                                   # the target's own greedy generations
 
@@ -624,6 +624,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "its vocabulary kept) instead of from scratch")
     parser.add_argument("--draft-lr", type=_positive_seconds, metavar="LR",
                         help="--retrain-draft: peak learning rate (default 2e-3)")
+    parser.add_argument("--gen-batch", type=positive_int,
+                        help="--retrain-draft: sequences generated (and their aux states computed) at once (default 64)")
     parser.add_argument("--gen-sequences", type=positive_int,
                         help="--retrain-draft: greedy generations to train on (default 1536)")
     parser.add_argument("--json", action="store_true", help="print metrics.json to stdout at the end")
@@ -751,7 +753,8 @@ def retrain_draft(args: argparse.Namespace, argv: Sequence[str] | None, preset_n
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     recipe = GenerationRecipe(**{k: v for k, v in (("sequences", args.gen_sequences), ("steps", args.draft_steps),
-                                                    ("batch_size", args.batch_size), ("lr", args.draft_lr))
+                                                    ("batch_size", args.batch_size), ("lr", args.draft_lr),
+                                                    ("gen_batch", args.gen_batch))
                                   if v is not None})
     source: Path = args.retrain_draft / "target"
     out: Path = args.out
@@ -763,6 +766,10 @@ def retrain_draft(args: argparse.Namespace, argv: Sequence[str] | None, preset_n
     train_texts, held_texts, corpus = load_corpus(p.max_corpus_chars)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     device = args.device
+    if device == "cuda":
+        from pipespec.engine.worker import configure_cuda_attention
+
+        configure_cuda_attention()  # generation grows the key length every step: no cuDNN plan per shape
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
     prompts = generation_prompts(tokenizer, train_texts, recipe.sequences, recipe.prompt_len, args.seed).to(device)
     held = eval_prompts(tokenizer, held_texts, p.eval_prompts, p.eval_prompt_len, args.seed)
