@@ -324,14 +324,15 @@ _RESIDUAL_USE: dict[type, bool] = {}
 def uses_residual_input(layer_cls: type) -> bool:
     """Whether ``layer_cls.forward`` reads the ``residual`` it is given.
 
-    Layers written like StableLM's, PhiMoE's or EXAONE-4's start with ``residual = hidden_states``: the
-    residual passed in is stale (the hidden states already include it), so the stream entering such a
-    layer is ``hidden_states`` alone, not ``hidden_states + residual``. Decided from the source: the first
-    use of the name ``residual`` in ``forward`` is a read (True) or an assignment (False).
+    Layers written like PhiMoE's, EXAONE-4's or Cohere's start with ``residual = hidden_states``: the
+    residual passed in (and the one they return) is stale, the hidden states already include it, so the
+    stream at such a layer is ``hidden_states`` alone, not ``hidden_states + residual``; StableLM's takes
+    no residual at all. Decided from the source: the first use of the name ``residual`` in ``forward``
+    is a read (True) or an assignment (False); no ``residual`` parameter is False.
     """
     if layer_cls in _RESIDUAL_USE:
         return _RESIDUAL_USE[layer_cls]
-    answer = True
+    answer = False  # a layer that takes no residual passes the whole stream as hidden_states
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(layer_cls.forward)))
     except (OSError, TypeError, SyntaxError):
@@ -379,19 +380,6 @@ def _first_use(body: list[ast.stmt], name: str) -> str | None:
     return None
 
 
-_FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "final_norm")
-
-
-def _final_norm(decoder: torch.nn.Module) -> torch.nn.Module | None:
-    from vllm.model_executor.models.utils import PPMissingLayer
-
-    for name in _FINAL_NORMS:
-        module = getattr(decoder, name, None)
-        if isinstance(module, torch.nn.Module) and not isinstance(module, PPMissingLayer):
-            return module
-    return None
-
-
 def _stream(hidden: Any, residual: Any) -> torch.Tensor:
     if not isinstance(hidden, torch.Tensor):
         raise RuntimeError(f"decoder layer hidden states are {type(hidden).__name__}, not a tensor")
@@ -402,8 +390,8 @@ def _stream(hidden: Any, residual: Any) -> torch.Tensor:
 @contextlib.contextmanager
 def _record_stream(decoder: torch.nn.Module, ids: tuple[int, ...]) -> Iterator[dict[int, torch.Tensor]]:
     """Hooks recording the residual stream at ``ids`` while the reference runs (cloned: vLLM's fused
-    add-norms update their inputs in place): id L < N is layer L's input, id N the final norm's input
-    (the last layer's output when the decoder has no final norm under a usual name)."""
+    add-norms update their inputs in place): id L < N is layer L's input, id N the last layer's output;
+    the residual is added only where the layers read the residual they are given."""
     layers = _layers(decoder)
     n = len(layers)
     seen: dict[int, torch.Tensor] = {}
@@ -421,26 +409,14 @@ def _record_stream(decoder: torch.nn.Module, ids: tuple[int, ...]) -> Iterator[d
         return hook
 
     def after(module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
-        if isinstance(out, tuple):
-            seen[n] = _stream(out[0], out[1] if len(out) > 1 else None)
-        else:
-            seen[n] = _stream(out, None)
-
-    def before_norm(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        values = [*args, *kwargs.values()]
-        seen[n] = _stream(values[0], values[1] if len(values) > 1 else None)
+        hidden, residual = (out[0], out[1] if len(out) > 1 else None) if isinstance(out, tuple) else (out, None)
+        seen[n] = _stream(hidden, residual if uses_residual_input(type(module)) else None)
 
     for layer_id in ids:
         if layer_id < n:
             handles.append(layers[layer_id].register_forward_pre_hook(before(layer_id), with_kwargs=True))
     if n in ids:
-        # id N is what enters the final norm (a fused add-norm gets `(hidden, residual)`); a layer's
-        # second output is not always a residual still to add (StableLM returns it already added)
-        norm = _final_norm(decoder)
-        if norm is not None:
-            handles.append(norm.register_forward_pre_hook(before_norm, with_kwargs=True))
-        else:
-            handles.append(layers[n - 1].register_forward_hook(after))
+        handles.append(layers[n - 1].register_forward_hook(after))
     try:
         yield seen
     finally:

@@ -80,10 +80,14 @@ ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
                                "vLLM reads the sliding/full layer pattern and the sliding-attention shape"),
     "MiniMaxM2ForCausalLM": ({"rotary_dim": 8, "scoring_func": "softmax", "max_model_len": 128},
                              "vLLM reads config.rotary_dim (partial rotary) and the router's scoring_func"),
-    "Step3TextForCausalLM": ({"moe_layers_enum": "1,2,3,4,5", "tie_word_embeddings": False},
-                             "vLLM parses the MoE layer list from a comma-separated string"),
-    "Step3p5ForCausalLM": ({"max_position_embeddings": 128, "tie_word_embeddings": False},
-                           "vLLM asserts max_position_embeddings is set"),
+    "Step3TextForCausalLM": ({"moe_layers_enum": "1,2,3,4,5", "tie_word_embeddings": False, "moe_num_experts": 4,
+                              "moe_top_k": 2, "moe_intermediate_size": 32, "share_expert_dim": 32, "share_q_dim": 32},
+                             "vLLM parses the MoE layer list from a comma-separated string; its MoE and shared-expert "
+                             "sizes use step3's own names"),
+    "Step3p5ForCausalLM": ({"max_position_embeddings": 128, "tie_word_embeddings": False, "num_attention_groups": 2,
+                            "moe_num_experts": 4, "moe_top_k": 2, "moe_intermediate_size": 32, "share_expert_dim": 32},
+                           "vLLM asserts max_position_embeddings is set; its KV groups (default 8) must divide the "
+                           "tiny 4 heads; MoE sizes use step3's own names"),
 }
 
 
