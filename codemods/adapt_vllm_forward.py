@@ -58,6 +58,7 @@ from pipespec.codemods.vllm_forward_shape import (
     names_in,
     self_attr,
 )
+from pipespec.codemods.vllm_native_shape import Decline, sent_stream
 from pipespec.spec import AdapterSpec
 
 GENERATOR = "adapt_vllm_forward"
@@ -298,6 +299,16 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
             nonlast, last = classify_returns(fn, loop_end, self._line)
         except ShapeError as exc:
             raise self._skip(exc.node, exc.reason) from None
+        returns = [r for r in m.findall(fn, m.Return()) if id(r) in nonlast]
+        try:  # what the next stage receives must be what is captured, on every branch (inkling, hy_v4 iHC)
+            sent_hidden, sent_residual = sent_stream(stmts, returns)  # type: ignore[arg-type]
+        except Decline as exc:
+            raise self._skip(exc.node, exc.reason) from None
+        if (shape.hidden, shape.residual) != (sent_hidden, sent_residual):
+            got = f"{shape.hidden}, {shape.residual}" if shape.residual else shape.hidden
+            sends = f"{sent_hidden}" + (f" and {sent_residual} as residual" if sent_residual else " and no residual")
+            raise self._skip(loop, f"the layer call assigns `{got}` but the next stage receives {sends}: the value "
+                                   "captured at a layer boundary would not be the stream handed on")
         if shape.made_absolute:
             self.warn(f"line {self._line(loop)}: the loop index `{shape.idx}` now counts layers globally (start=self.start_layer)")
         if self.spec is not None:

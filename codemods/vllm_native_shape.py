@@ -215,6 +215,30 @@ def _fresh(base: str, used: set[str]) -> str:
     return name
 
 
+def sent_stream(body: Sequence[cst.BaseStatement], nonlast: Sequence[cst.Return]) -> tuple[str, str | None]:
+    """The names every non-last-rank return sends as ``"hidden_states"`` and ``"residual"`` (None: no
+    residual). ``Decline`` when a branch sends something else (a reshaped tensor, another residual):
+    then no one capture is what the next stage receives on every branch."""
+    sent_hidden: set[str] = set()
+    sent_residual: set[str | None] = set()
+    for ret in nonlast:
+        entry = _dict_entries(ret, body)
+        value = entry.get("hidden_states")
+        if not isinstance(value, cst.Name):
+            shown = code_of(value) if value is not None else "no hidden_states"
+            raise Decline(f"a non-last-rank return sends `{shown}` as \"hidden_states\" (`{code_of(ret)}`), not the "
+                          "stream the layers produce: a capture of that branch would not be what the next stage receives", ret)
+        sent_hidden.add(value.value)
+        res = entry.get("residual")
+        if res is not None and not isinstance(res, cst.Name):
+            raise Decline(f"a non-last-rank return sends `{code_of(res)}` as \"residual\", not a name the layers assign", ret)
+        sent_residual.add(res.value if isinstance(res, cst.Name) else None)
+    if len(sent_hidden) != 1 or len(sent_residual) != 1:
+        raise Decline("the non-last-rank returns send different tensors (`"
+                      + "`, `".join(code_of(r) for r in nonlast) + "`): the captured stream differs by branch", nonlast[1])
+    return sent_hidden.pop(), sent_residual.pop()
+
+
 def _dict_entries(ret: cst.Return, body: Sequence[cst.BaseStatement]) -> dict[str, cst.BaseExpression]:
     """The entries of ``IntermediateTensors({...})``, or of ``IntermediateTensors(name)`` where ``name`` is
     assigned one dict literal in forward (later ``name[...] = ...`` / ``name.update(...)`` add more)."""
@@ -358,24 +382,7 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
     if not nonlast:
         raise Decline("forward never returns IntermediateTensors({...}) for non-last ranks: it does not support "
                       "pipeline parallelism", fn)
-    entries = [_dict_entries(r, body) for r in nonlast]
-    sent_hidden: set[str] = set()
-    sent_residual: set[str | None] = set()
-    for ret, entry in zip(nonlast, entries):
-        value = entry.get("hidden_states")
-        if not isinstance(value, cst.Name):
-            shown = code_of(value) if value is not None else "no hidden_states"
-            raise Decline(f"a non-last-rank return sends `{shown}` as \"hidden_states\" (`{code_of(ret)}`), not the "
-                          "stream the layers produce: a capture of that branch would not be what the next stage receives", ret)
-        sent_hidden.add(value.value)
-        res = entry.get("residual")
-        if res is not None and not isinstance(res, cst.Name):
-            raise Decline(f"a non-last-rank return sends `{code_of(res)}` as \"residual\", not a name the layers assign", ret)
-        sent_residual.add(res.value if isinstance(res, cst.Name) else None)
-    if len(sent_hidden) != 1 or len(sent_residual) != 1:
-        raise Decline("the non-last-rank returns send different tensors (`"
-                      + "`, `".join(code_of(r) for r in nonlast) + "`): the captured stream differs by branch", nonlast[1])
-    hidden, residual = sent_hidden.pop(), sent_residual.pop()
+    hidden, residual = sent_stream(body, nonlast)
     aux = _aux_names(fn)
     remove: list[cst.CSTNode] = []
     for stmt in [*body, *cst.ensure_type(loop.body, cst.IndentedBlock).body]:

@@ -215,9 +215,19 @@ class TestAdaptVllmForward(CodemodTest):
          "assigns self.aux_hidden_state_layers, which the mixin owns"),
         (vllm_model().replace("(nn.Module)", "(AuxHiddenStatesMixin, nn.Module)"), "inherits AuxHiddenStatesMixin but has no"),
         (vllm_model(LOOP + LOOP), "forward has more than one layer loop"),
+        # inkling: the second value is a deferred add, not the residual the next stage receives
+        (vllm_model(LOOP.replace("hidden_states, residual = layer", "hidden_states, pending = layer"),
+                    tail=TAIL.replace(', "residual": residual', "")),
+         "the layer call assigns `hidden_states, pending` but the next stage receives hidden_states and no residual"),
+        # hy_v4 with enable_ihc: one branch hands on a reshaped stream without residual
+        (vllm_model(tail=TAIL.replace("        if not get_pp_group().is_last_rank:\n",
+                                      "        if not get_pp_group().is_last_rank:\n            if self.enable_ihc:\n"
+                                      '                return IntermediateTensors({"hidden_states": hidden_states.flatten(1)})\n')),
+         'a non-last-rank return sends `hidden_states.flatten(1)` as "hidden_states"'),
     ],
     ids=["relative-index", "recurrent-state", "all-layers", "break", "early-return", "no-intermediate-tensors",
-         "no-pp-return", "hand-adapted", "assigns-mixin-property", "mixin-without-marker", "two-loops"],
+         "no-pp-return", "hand-adapted", "assigns-mixin-property", "mixin-without-marker", "two-loops",
+         "carried-not-sent", "reshaped-branch"],
 )
 def test_unrecognised_shapes_are_declined_with_the_reason(code: str, reason: str) -> None:
     assert reason in skip_reason(code)
