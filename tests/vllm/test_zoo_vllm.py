@@ -18,7 +18,14 @@ import pytest
 
 from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
 from pipespec.integrations.vllm.harness import Job
-from pipespec.integrations.vllm.zoo import STATUSES, ZooResult, _check, _Pool, vllm_root
+from pipespec.integrations.vllm.zoo import (
+    STATUSES,
+    ZooResult,
+    _check,
+    _Pool,
+    inherited_flag_verdicts,
+    vllm_root,
+)
 from pipespec.layout import plan_layout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,3 +136,15 @@ def test_cli_without_vllm_says_where_to_run_it() -> None:
         "pipespec: error: pipespec zoo --engine vllm needs vLLM >= 0.32 installed; run it in .venv-vllm (make venv-vllm)"
     )
     assert done.stdout == ""
+
+
+@pytest.mark.timeout(120)
+def test_report_judges_the_four_inherited_flag_classes() -> None:
+    """qwen3_vl's and MossQwen3's classes refused with the fix, MistralModel accepted, MiMo refused."""
+    verdicts = {v["class"]: v for v in inherited_flag_verdicts()}
+    assert {k: v["supported"] for k, v in verdicts.items()} == {
+        "Qwen3LLMModel": False, "MossQwen3Model": False, "MistralModel": True, "MiMoModel": False}
+    for name in ("Qwen3LLMModel", "MossQwen3Model"):
+        assert verdicts[name]["message"].startswith(f"{name} does not support eagle3 with pipeline parallelism: ")
+        assert "Fix: " in verdicts[name]["message"]
+    assert verdicts["MiMoModel"]["opted_out"] is True

@@ -349,20 +349,26 @@ def run_vllm_zoo(files: Sequence[str], progress: Any | None = None) -> list[ZooR
 
 
 def inherited_flag_verdicts() -> list[dict[str, Any]]:
-    """``judge_vllm_class`` on issue 14's four inherited-flag classes (PP = 2)."""
+    """``judge_vllm_class`` on issue 14's four inherited-flag classes (PP = 2); a module that cannot be
+    imported here (qwen3_vl needs torchvision) is judged from its source (``judge_decoder_source``)."""
     import importlib
 
-    from pipespec.integrations.vllm.support import judge_vllm_class
+    from pipespec.integrations.vllm.support import judge_decoder_source, judge_vllm_class
 
     rows = []
     for module, name in FLAG_CLASSES:
+        how = "class"
         try:
-            cls = getattr(importlib.import_module(module), name)
-            verdict = judge_vllm_class(cls, pp=2)
-            rows.append({"module": module, "class": name, "supported": verdict.supported,
+            try:
+                verdict = judge_vllm_class(getattr(importlib.import_module(module), name), pp=2)
+            except ImportError:
+                path = os.path.join(vllm_root(), *module.split(".")[1:]) + ".py"
+                verdict = judge_decoder_source(path, name, vllm_root())
+                how = "source (the module does not import here)"
+            rows.append({"module": module, "class": name, "supported": verdict.supported, "judged_from": how,
                          "opted_out": verdict.opted_out, "message": verdict.message()})
         except Exception as exc:  # noqa: BLE001 - a verdict that cannot be reached is reported as such
-            rows.append({"module": module, "class": name, "supported": None, "opted_out": False,
+            rows.append({"module": module, "class": name, "supported": None, "judged_from": how, "opted_out": False,
                          "message": f"could not judge: {type(exc).__name__}: {exc}"})
     return rows
 
@@ -407,9 +413,10 @@ def coverage_markdown(results: Sequence[ZooResult], verdicts: Sequence[dict[str,
         "",
         "## Inherited-flag classes (`pipespec.integrations.vllm.support.judge_vllm_class`, PP = 2)",
         "",
-        "| class | module | supported | verdict |",
-        "|---|---|---|---|",
-        *[f"| {v['class']} | {v['module']} | {v['supported']} | {_cell(v['message'])} |" for v in verdicts],
+        "| class | module | supported | judged from | verdict |",
+        "|---|---|---|---|---|",
+        *[f"| {v['class']} | {v['module']} | {v['supported']} | {v['judged_from']} | {_cell(v['message'])} |"
+          for v in verdicts],
         "",
         "## Per decoder",
         "",
