@@ -375,7 +375,8 @@ def inherited_flag_verdicts() -> list[dict[str, Any]]:
 
 # --------------------------------------------------------------------------------------- report
 def _cell(text: str) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")
+    """One table cell: one line, pipes escaped, the installed package's path shown as ``vllm/``."""
+    return " ".join(str(text).split()).replace("|", "\\|").replace(vllm_root() + os.sep, "vllm/")
 
 
 def coverage_markdown(results: Sequence[ZooResult], verdicts: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
