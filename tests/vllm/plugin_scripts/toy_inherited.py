@@ -11,10 +11,13 @@ from __future__ import annotations
 from itertools import islice
 
 import torch
+from torch import nn
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
-from vllm.model_executor.models.utils import maybe_prefix
+from vllm.model_executor.models.utils import PPMissingLayer, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
 
@@ -42,6 +45,19 @@ class OverridingQwen2Model(Qwen2Model):
 
 
 class OverridingQwen2ForCausalLM(Qwen2ForCausalLM):
+    """vLLM's Qwen2ForCausalLM (SupportsEagle3 inherited) building the overriding decoder."""
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        nn.Module.__init__(self)  # Qwen2ForCausalLM.__init__ would build a second decoder (duplicate layer names)
+        config = vllm_config.model_config.hf_config.get_text_config()
+        self.config = config
+        self.quant_config = vllm_config.quant_config
         self.model = OverridingQwen2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+            if config.tie_word_embeddings:
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
