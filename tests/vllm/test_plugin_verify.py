@@ -158,3 +158,11 @@ def test_transparent_override_keeps_support(cli) -> None:
     """MistralModel's forward only delegates to super().forward: supported as is, nothing adapted."""
     code, result = _json(cli, "--architecture", "MistralForCausalLM", "--pp", "2", VLLM_USE_V2_MODEL_RUNNER="1")
     assert code == 0 and result["decision"] == "supported"
+
+
+def test_transformers_backend_is_left_to_vllm_at_pp1(cli) -> None:
+    """vLLM's Transformers backend captures through hooks (no PP decoder to adapt): vLLM's own at PP=1."""
+    code, result = _json(cli, "--architecture", "TransformersForCausalLM", "--pp", "1")
+    assert code == 0 and result["decision"] == "supported"
+    assert result["reason"].startswith("TransformersForCausalLM implements vLLM's SupportsEagle3 (PP = 1; pipespec "
+                                       "leaves it to vLLM: pipespec cannot adapt it: ")

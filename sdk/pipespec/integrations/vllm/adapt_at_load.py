@@ -72,12 +72,13 @@ def decide(architecture: str, cls: type, method: str = "eagle3", pp: int = 1) ->
     if method not in EAGLE3_FAMILY:
         return Decision(architecture, path, "skip", f"{method!r} is not an EAGLE3-family method ({', '.join(EAGLE3_FAMILY)})")
     before = judge_vllm_class(cls, pp=pp)
+    drops_aux = False  # a forward known to return no aux states: never left to vLLM's own check
     if before.supported and pp == 1:
         # vLLM checks only the interfaces at PP = 1; a forward that overrides the flag-carrying parent's
         # without aux handling (qwen3_vl's Qwen3LLMModel) returns no aux states there either.
         over_pp = judge_vllm_class(cls, pp=2)
         if not over_pp.supported and over_pp.supported_by is not None and not over_pp.opted_out:
-            before = over_pp
+            before, drops_aux = over_pp, True
     if before.supported:
         return Decision(architecture, path, "supported", before.message(method, cls.__name__))
     head = f"{cls.__name__} does not support {_needs(method, pp)}: {before.reason}"
@@ -87,10 +88,10 @@ def decide(architecture: str, cls: type, method: str = "eagle3", pp: int = 1) ->
     try:
         built = install_finder().built(name)
     except PipespecError as exc:
-        return _vllm_own_or_refuse(architecture, cls, method, pp, f"{head}; pipespec cannot adapt it: {exc}")
+        return _vllm_own_or_refuse(architecture, cls, pp, drops_aux, f"{head}; pipespec cannot adapt it: {exc}")
     if built.status != "adapted":
         why = built.reason or "the codemod left its decoder unchanged"
-        return _vllm_own_or_refuse(architecture, cls, method, pp,
+        return _vllm_own_or_refuse(architecture, cls, pp, drops_aux,
                                    f"{head}; pipespec cannot adapt it: {built.status} ({why})", built.spec.label)
     adapted = getattr(install_finder().import_adapted(name), cls.__name__)
     # Checked at PP >= 2 even for a PP = 1 run: the adapted class must also serve plain pipelines.
@@ -103,13 +104,14 @@ def decide(architecture: str, cls: type, method: str = "eagle3", pp: int = 1) ->
                     f"{name}:{cls.__name__}")
 
 
-def _vllm_own_or_refuse(architecture: str, cls: type, method: str, pp: int, refusal: str,
+def _vllm_own_or_refuse(architecture: str, cls: type, pp: int, drops_aux: bool, refusal: str,
                         spec: str | None = None) -> Decision:
     """At PP = 1 a class vLLM itself gives ``SupportsEagle3`` (e.g. the Transformers backend, which captures
-    through hooks, not through an ``EagleModelMixin`` decoder) is left to vLLM when pipespec cannot adapt it."""
+    through hooks, not through an ``EagleModelMixin`` decoder) is left to vLLM when pipespec cannot adapt
+    it — unless its forward is known to drop aux states (``drops_aux``), which would fail mid-run."""
     from vllm.model_executor.models.interfaces import supports_eagle3
 
-    if pp == 1 and supports_eagle3(cls):
+    if pp == 1 and not drops_aux and supports_eagle3(cls):
         return Decision(architecture, _class_path(cls), "supported",
                         f"{cls.__name__} implements vLLM's SupportsEagle3 (PP = 1; pipespec leaves it to vLLM: "
                         f"{refusal.partition('; ')[2]})")
