@@ -199,6 +199,9 @@ def _vllm_config_for(job: Job) -> Any:
     model_config = ModelConfig(
         model=_model_dir(job), dtype="float32", skip_tokenizer_init=True, enforce_eager=True, seed=0,
         trust_remote_code=False,
+        # vLLM's own text-only mode: a multimodal model's vision/audio towers are not built (the aux
+        # states come from its language model alone), so a tower sized in code stays off the heap
+        language_model_only=True,
     )
     return VllmConfig(
         model_config=model_config, device_config=DeviceConfig("cpu"), load_config=LoadConfig(load_format="dummy")
@@ -269,7 +272,21 @@ def _silence_attention(model: torch.nn.Module) -> None:
 
     for module in model.modules():
         if isinstance(module, AttentionLayerBase):
-            module.register_forward_hook(zero, with_kwargs=True)
+            if "output" in inspect.signature(module.forward).parameters:
+                # a mixer that writes into the caller's buffer (Mamba-1) is not run at all: its result
+                # would be zeroed, and vLLM's own no-metadata path for it cannot run on CPU (it hands
+                # out_proj a transposed view; the CPU build's oneDNN GEMM needs stride(-1) == 1)
+                module.forward = types.MethodType(_zero_output_buffer, module)
+            else:
+                module.register_forward_hook(zero, with_kwargs=True)
+
+
+def _zero_output_buffer(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+    bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs).arguments
+    buffer = bound["output"]
+    if not isinstance(buffer, torch.Tensor):
+        raise RuntimeError(f"{type(self).__name__}.forward got output={type(buffer).__name__}, not a buffer")
+    buffer.zero_()
 
 
 def _zeros_like(out: Any) -> Any:

@@ -22,7 +22,7 @@ import os
 from functools import cache
 from typing import Any
 
-__all__ = ["ARCH_FIXES", "GENERIC_REMOTE", "SIZE_LIMITS", "TinyConfigError", "architectures_of", "check_tiny",
+__all__ = ["ARCH_FIXES", "GENERIC_REMOTE", "REMOTE_MODEL_TYPES", "SIZE_LIMITS", "TinyConfigError", "architectures_of", "check_tiny",
            "model_type_of", "tiny_vllm_config", "write_model_dir"]
 
 #: Fields of the generic config used for architectures whose config class neither transformers nor vLLM
@@ -64,6 +64,22 @@ ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
     "SolarForCausalLM": ({"bskcn_1": [1], "bskcn_2": [4], "bskcn_3": [2], "bskcn_4": [5], "bskcn_tv": [0.9, 0.8]},
                          "remote-code config: skip connections, each pair inside one PP=2 stage (a pair across stages "
                          "reads a clone the previous stage never sends)"),
+    "K2HorizonForCausalLM": ({**_MOE, "decoder_sparse_step": 1, "mlp_only_layers": [0], "mova_num_experts": 0,
+                              "rope_head_dim": 8, "query_key_norm": True,
+                              "layernorm_num_groups": 2, "router_score_func": "softmax", "router_scaling_factor": 1.0,
+                              "moe_gate_bias": False, "attention_gate_func": "silu", "attention_bias": False},
+                             "remote-code config: MoE sizes, partial rope, grouped norms, router and attention gate "
+                             "functions; no mixture-of-value attention (mova_num_experts 0): it runs a Triton fused-MoE "
+                             "kernel, which this CPU build lacks"),
+    "MolmoForCausalLM": ({"embedding_size": None, "layer_norm_type": "rms", "norm_after": False, "qkv_bias": True,
+                          "weight_tying": False, "attention_layer_norm": False},
+                         "remote-code config: vocabulary padding, norm kind and placement, biases (its vision "
+                         "backbone is sized in code: not built, language_model_only)"),
+    "DeciLMForCausalLM": ({"block_configs": [
+        {"attention": {"no_op": i == 2, "replace_with_linear": False, "n_heads_in_group": 2},
+         "ffn": {"no_op": i == 4, "replace_with_linear": False, "intermediate_size": 128}} for i in range(6)]},
+        "remote-code config: one block config per layer (layer 2 without attention, layer 4 without FFN: "
+        "Nemotron-NAS's no-op blocks)"),
     "Glm4MoeForCausalLM": ({"head_dim": 16}, "vLLM reads config.head_dim, which transformers' Glm4MoeConfig derives"),
     "AfmoeForCausalLM": ({"score_func": "softmax", "route_norm": True, "n_group": 1, "topk_group": 1},
                          "vLLM reads the router's remote-code fields (score_func, route_norm, groups)"),
@@ -227,14 +243,44 @@ def _remote_config(architecture: str, file_stem: str, fix: dict[str, Any]) -> An
     from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    model_type = f"pipespec_tiny_{file_stem.lower()}"
+    model_type = REMOTE_MODEL_TYPES.get(architecture, f"pipespec_tiny_{file_stem.lower()}")
     if model_type not in CONFIG_MAPPING:
-        config_cls = type(f"Tiny{architecture}Config", (PretrainedConfig,), {"model_type": model_type})
+
+        def __init__(self: Any, **kwargs: Any) -> None:  # noqa: N807 - the config class's constructor
+            for name in _ATTRIBUTE_FIELDS:
+                if isinstance(kwargs.get(name), list):
+                    kwargs[name] = [_attrs(item) for item in kwargs[name]]
+            PretrainedConfig.__init__(self, **kwargs)
+
+        config_cls = type(f"Tiny{architecture}Config", (PretrainedConfig,),
+                          {"model_type": model_type, "__init__": __init__})
         AutoConfig.register(model_type, config_cls)
     config = CONFIG_MAPPING[model_type](**{**GENERIC_REMOTE, **fix})
     config.architectures = [architecture]
     check_tiny(config)
     return config
+
+
+#: The model type a remote-code config declares where vLLM keys behaviour on it (its per-type
+#: ``ModelArchConfigConvertor``: Nemotron-NAS's KV heads come from its block configs).
+REMOTE_MODEL_TYPES = {"DeciLMForCausalLM": "nemotron-nas"}
+#: Remote-code config fields whose items the model code reads by attribute (``block_config.ffn.no_op``):
+#: the remote config class parses them into objects; here they become ``_Attrs`` (still JSON dicts).
+_ATTRIBUTE_FIELDS = ("block_configs",)
+
+
+class _Attrs(dict):  # type: ignore[type-arg]
+    """A JSON dict whose keys read as attributes (a missing one raises AttributeError, so hasattr works)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _attrs(value: Any) -> Any:
+    return _Attrs({k: _attrs(v) for k, v in value.items()}) if isinstance(value, dict) else value
 
 
 #: Size fields no tiny (sub-)config may exceed; above them the recipe missed a sub-config (an audio or
