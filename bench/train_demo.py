@@ -438,6 +438,7 @@ class GenerationRecipe:
     lr: float = 2e-3
     draft_vocab_size: int = 512
     draft_intermediate_size: int = 416  # 512 would put the shipped weights (fp16) just over 8 MB
+    heldout_sequences: int = 64  # generations after held-out-file prompts, never trained on (HeldOut)
 
 
 def generation_prompts(tokenizer: Any, texts: Sequence[str], count: int, length: int, seed: int) -> torch.Tensor:
@@ -492,14 +493,114 @@ def aux_features(target: Any, seqs: torch.Tensor, aux_ids: Sequence[int], batch:
     return torch.cat(chunks)
 
 
+def verify_walk(hits: Sequence[torch.Tensor], prompt_len: int, new_tokens: int) -> list[int]:
+    """Tokens gained per verify step (accepted drafts + 1) of greedy speculative decoding at ``k = len(hits)``,
+    replayed from training-time-test outcomes: ``hits[i][b, t]`` says whether root ``t``'s step-``i``
+    prediction equals the target's token ``x[t + 2 + i]`` of sequence ``b``.
+
+    A step-``i`` prediction reads the true tokens of steps ``< i``; those are the draft's own proposals exactly
+    when steps ``< i`` were accepted, so the chain of hits from root ``t`` is what the engine accepts there.
+    The walk starts where ``reference_speculative_generate`` does (root ``prompt_len - 1``, the prefill's token
+    already out), moves to root ``t + accepted + 1`` after each step and stops once ``new_tokens`` are out:
+    its steps are the reference's, token for token, when every sequence holds at least
+    ``prompt_len + new_tokens + k - 1`` tokens (a hit past a sequence's end counts as a miss).
+    """
+    k = len(hits)
+    rows = [h.cpu().tolist() for h in hits]
+    steps: list[int] = []
+    for b in range(len(rows[0]) if rows else 0):
+        root, out = prompt_len - 1, 1
+        while out < new_tokens:
+            accepted = 0
+            while accepted < k and root < len(rows[accepted][b]) and rows[accepted][b][root]:
+                accepted += 1
+            steps.append(accepted + 1)
+            out += accepted + 1
+            root += accepted + 1
+    return steps
+
+
+def ttt_hits(draft: Eagle3Draft, feats: torch.Tensor, seqs: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """``[B, T-1]`` booleans per TTT step: root ``t``'s step-``i`` prediction (mapped to target ids) equals
+    ``seqs[:, t + 2 + i]``; positions past the end are False."""
+    roots = seqs.shape[1] - 1
+    out = []
+    for i, logits_d in enumerate(ttt_logits(draft, feats, seqs, steps)):
+        valid = max(roots - 1 - i, 0)
+        hit = torch.zeros(seqs.shape[0], roots, dtype=torch.bool, device=seqs.device)
+        hit[:, :valid] = draft.to_target_ids(logits_d[:, :valid].argmax(-1)) == seqs[:, 2 + i : 2 + i + valid]
+        out.append(hit)
+    return out
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Greedy generations never trained on, measured the way inference will run on them.
+
+    ``seqs [N, prompt_len + new_tokens + ttt_steps - 1]`` (the target's greedy continuations, as
+    ``greedy_generations`` makes them) and their aux states ``feats``; ``new_tokens`` is what a speculative
+    decode of each prompt produces. The draft's training-batch agreement is in-sample and leaves out labels
+    outside the draft vocabulary (which inference can never accept), so it overstates acceptance; these
+    figures do not.
+    """
+
+    seqs: torch.Tensor
+    feats: torch.Tensor
+    prompt_len: int
+    new_tokens: int
+
+
+@torch.no_grad()
+def heldout_metrics(draft: Eagle3Draft, held: HeldOut, ttt_steps: int, chunk: int) -> dict[str, Any]:
+    """On ``held``: top-1 agreement per TTT step over the generated labels (labels outside the draft vocabulary
+    count as misses), the same restricted to in-vocabulary labels (what the training batches report), and the
+    mean acceptance length at ``k = ttt_steps`` that ``verify_walk`` replays: the engine's figure on these
+    sequences."""
+    was_training = draft.training
+    draft.eval()
+    seqs = held.seqs
+    roots = seqs.shape[1] - 1
+    lo_label, hi_label = held.prompt_len, held.prompt_len + held.new_tokens
+    hit_n = [0.0] * ttt_steps
+    hit_in_vocab = [0.0] * ttt_steps
+    labels_n = [0.0] * ttt_steps
+    in_vocab_n = [0.0] * ttt_steps
+    walk: list[int] = []
+    for lo in range(0, seqs.shape[0], chunk):
+        ids = seqs[lo : lo + chunk]
+        hits = ttt_hits(draft, held.feats[lo : lo + chunk].float(), ids, ttt_steps)
+        for i, hit in enumerate(hits):
+            label_pos = torch.arange(roots, device=ids.device) + 2 + i
+            counted = ((label_pos >= lo_label) & (label_pos < hi_label)).expand_as(hit)
+            labels = ids.gather(1, label_pos.clamp(max=roots).expand_as(hit))
+            in_vocab = counted & draft.t2d[labels]
+            hit_n[i] += float((hit & counted).sum())
+            hit_in_vocab[i] += float((hit & in_vocab).sum())
+            labels_n[i] += float(counted.sum())
+            in_vocab_n[i] += float(in_vocab.sum())
+        walk.extend(verify_walk(hits, held.prompt_len, held.new_tokens))
+    draft.train(was_training)
+    return {
+        "sequences": int(seqs.shape[0]), "prompt_len": held.prompt_len, "new_tokens": held.new_tokens,
+        "top1_agreement_per_step": [h / max(n, 1.0) for h, n in zip(hit_n, labels_n, strict=True)],
+        "top1_agreement_in_vocab_per_step": [h / max(n, 1.0) for h, n in zip(hit_in_vocab, in_vocab_n, strict=True)],
+        "draft_vocab_coverage": in_vocab_n[0] / max(labels_n[0], 1.0),
+        "mean_acceptance_length": sum(walk) / max(len(walk), 1), "verify_steps": len(walk), "k": ttt_steps,
+    }
+
+
 def train_draft_on_generations(
     draft: Eagle3Draft, target: Any, feats: torch.Tensor, seqs: torch.Tensor, recipe: GenerationRecipe,
-    ttt_steps: int, seed: int, log: Any, max_s: float | None = None,
+    ttt_steps: int, seed: int, log: Any, max_s: float | None = None, held: HeldOut | None = None,
 ) -> dict[str, Any]:
     """Training-time test on the target's greedy generations: every root in the generated part is unrolled
     ``ttt_steps`` steps on the draft's own outputs, each step's label the target's greedy next token (the
     token the sequence holds, since the target wrote it); roots whose label is outside the draft vocabulary
-    or inside the prompt are masked."""
+    or inside the prompt are masked.
+
+    With ``held``, every log line also reports ``heldout_metrics`` (its acceptance length is what inference
+    measures on those sequences), and the draft returned is the one of the logged step with the best held-out
+    acceptance (the last step's weights may have overfit the generations)."""
     gen = torch.Generator().manual_seed(seed + 3)
     draft.train()
     draft.embed_tokens = target.get_input_embeddings()  # shared and frozen, as at inference
@@ -515,10 +616,27 @@ def train_draft_on_generations(
     t0 = time.perf_counter()
     history: list[tuple[float, list[float]]] = []
     capped = False
+    best: dict[str, Any] = {}
+    eval_s = 0.0
+
+    def measure(step: int) -> None:
+        nonlocal eval_s
+        if held is None:
+            return
+        t = time.perf_counter()
+        m = heldout_metrics(draft, held, ttt_steps, max(recipe.batch_size, 64))
+        eval_s += time.perf_counter() - t
+        log(f"draft  step {step:5d}  held-out generations: acceptance (k={ttt_steps}) {m['mean_acceptance_length']:.3f}"
+            f"  agreement per TTT step {[round(a, 3) for a in m['top1_agreement_per_step']]}")
+        if not best or m["mean_acceptance_length"] > best["metrics"]["mean_acceptance_length"]:
+            state = {k: v.detach().clone() for k, v in draft.state_dict().items() if not k.startswith("embed_tokens.")}
+            best.update(step=step, metrics=m, state=state)
+
     for step in range(recipe.steps):
-        if step and time_capped(t0, max_s):
+        if step and time_capped(t0, max_s):  # held-out measuring counts too
             capped = True
             log(f"draft: stopping after {step} of {recipe.steps} steps: --max-train-s {max_s:g} reached")
+            measure(step - 1)
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, recipe.steps, recipe.lr)
@@ -546,15 +664,26 @@ def train_draft_on_generations(
             recent = history[-50:]
             acc = [sum(h[1][i] for h in recent) / len(recent) for i in range(ttt_steps)]
             log(f"draft  step {step:5d}/{recipe.steps}  loss {sum(h[0] for h in recent) / len(recent):.3f}  "
-                f"top-1 agreement per TTT step {[round(a, 3) for a in acc]}  {time.perf_counter() - t0:6.1f}s")
+                f"training-batch agreement per TTT step (in-vocabulary labels) {[round(a, 3) for a in acc]}  "
+                f"{time.perf_counter() - t0:6.1f}s")
+            measure(step)
     draft.eval()
     recent = history[-50:]
-    return {
+    record: dict[str, Any] = {
         "final_loss": sum(h[0] for h in recent) / len(recent),
         "top1_agreement_per_step": [sum(h[1][i] for h in recent) / len(recent) for i in range(ttt_steps)],
+        "top1_agreement_counts": "training batches (in-sample), labels outside the draft vocabulary left out",
         "seconds": time.perf_counter() - t0,
+        "heldout_eval_s": eval_s,
         **_steps_record(recipe.steps, len(history), capped, max_s),
     }
+    if best:
+        missing, unexpected = draft.load_state_dict(best["state"], strict=False)
+        if unexpected or [m for m in missing if not m.startswith("embed_tokens.")]:
+            raise RuntimeError(f"best draft state does not fit the draft (missing {missing}, unexpected {unexpected})")
+        record["heldout"] = {"kept_step": best["step"], **best["metrics"]}
+        log(f"draft: keeping step {best['step']} (held-out acceptance {best['metrics']['mean_acceptance_length']:.3f})")
+    return record
 
 
 # ------------------------------------------------------------------------------------ evaluation
@@ -628,6 +757,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="--retrain-draft: sequences generated (and their aux states computed) at once (default 64)")
     parser.add_argument("--gen-sequences", type=positive_int,
                         help="--retrain-draft: greedy generations to train on (default 1536)")
+    parser.add_argument("--gen-prompt-len", type=positive_int,
+                        help="--retrain-draft: tokens of training-file text each generation continues (default 24)")
+    parser.add_argument("--gen-new-tokens", type=positive_int,
+                        help="--retrain-draft: tokens the target generates per sequence (default 104)")
+    parser.add_argument("--heldout-sequences", type=positive_int,
+                        help="--retrain-draft: generations after held-out-file prompts, never trained on, on which "
+                             "acceptance is replayed during training and the best draft kept (default 64)")
     parser.add_argument("--json", action="store_true", help="print metrics.json to stdout at the end")
     return parser.parse_args(argv)
 
@@ -754,7 +890,10 @@ def retrain_draft(args: argparse.Namespace, argv: Sequence[str] | None, preset_n
 
     recipe = GenerationRecipe(**{k: v for k, v in (("sequences", args.gen_sequences), ("steps", args.draft_steps),
                                                     ("batch_size", args.batch_size), ("lr", args.draft_lr),
-                                                    ("gen_batch", args.gen_batch))
+                                                    ("gen_batch", args.gen_batch),
+                                                    ("heldout_sequences", args.heldout_sequences),
+                                                    ("prompt_len", args.gen_prompt_len),
+                                                    ("new_tokens", args.gen_new_tokens))
                                   if v is not None})
     source: Path = args.retrain_draft / "target"
     out: Path = args.out
@@ -781,6 +920,16 @@ def retrain_draft(args: argparse.Namespace, argv: Sequence[str] | None, preset_n
     phases["aux_states_s"] = time.perf_counter() - t
     log(f"data: {seqs.shape[0]} greedy generations of {recipe.new_tokens} tokens after {recipe.prompt_len}-token "
         f"prompts; aux states {tuple(feats.shape)} fp16 ({feats.numel() * 2 / 1e6:.0f} MB)")
+    t = time.perf_counter()
+    held_prompts = generation_prompts(tokenizer, held_texts, recipe.heldout_sequences, p.eval_prompt_len,
+                                      args.seed + 1).to(device)
+    held_seqs = greedy_generations(target, held_prompts, p.eval_new_tokens + p.ttt_steps - 1, recipe.gen_batch,
+                                   lambda _msg: None)
+    heldout = HeldOut(held_seqs, aux_features(target, held_seqs, aux_ids, recipe.gen_batch), p.eval_prompt_len,
+                      p.eval_new_tokens)
+    phases["heldout_data_s"] = time.perf_counter() - t
+    log(f"held-out: {recipe.heldout_sequences} greedy generations after {p.eval_prompt_len}-token prompts from "
+        f"held-out files (never trained on; acceptance replayed at k={p.ttt_steps} over {p.eval_new_tokens} tokens)")
     generated = seqs[:, recipe.prompt_len :].reshape(-1)
     sizes = replace(p, hidden_size=int(target.config.hidden_size), num_heads=int(target.config.num_attention_heads),
                     num_kv_heads=int(target.config.num_key_value_heads),
@@ -800,7 +949,7 @@ def retrain_draft(args: argparse.Namespace, argv: Sequence[str] | None, preset_n
     log(f"draft: EAGLE3, {draft_params:,} parameters (+ the target's embedding, shared), aux ids {list(aux_ids)}, "
         f"draft vocab {draft_ids.numel()} (covers {coverage:.1%} of generated tokens), {p.ttt_steps} TTT steps")
     draft_stats = train_draft_on_generations(draft, target, feats, seqs, recipe, p.ttt_steps, args.seed, log,
-                                             args.max_train_s)
+                                             args.max_train_s, heldout)
     phases["draft_training_s"] = draft_stats["seconds"]
     draft.embed_tokens = None  # the target's (shared): moving the draft must not move it
     draft.to("cpu")

@@ -151,3 +151,71 @@ def test_shipped_draft_speculates_losslessly() -> None:
 def _load(target, info: TargetInfo, convention):  # type: ignore[no-untyped-def]
     return load_draft_checkpoint(demo_draft_dir(), info, aux_convention=convention,
                                  target_embed=target.get_input_embeddings())
+
+
+def _shipped_pair():  # type: ignore[no-untyped-def]
+    target = AutoModelForCausalLM.from_pretrained(demo_target_dir(), dtype=torch.float32).eval()
+    return target, _load(target, TargetInfo.from_config(target.config), None)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not demo_available(), reason="the demo checkpoints are not installed with this package")
+def test_replayed_acceptance_is_the_engines_on_every_verify_step() -> None:
+    """What training reports about held-out generations is what inference measures: the acceptance that
+    ``verify_walk`` replays from the training forward's hits equals ``reference_speculative_generate``'s
+    (``propose`` on its KV cache) step for step, and the in-vocabulary agreement (the training batches'
+    count) exceeds the agreement over every label by the labels the draft vocabulary lacks."""
+    td = _train_demo()
+    target, loaded = _shipped_pair()
+    draft, aux = loaded.model.eval(), loaded.info.aux_layers
+    tok = AutoTokenizer.from_pretrained(demo_target_dir())
+    texts = ["import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n",
+             "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"]
+    prompt_len, new, k = 12, 40, 3
+    prompts = torch.tensor([tok(t, add_special_tokens=False)["input_ids"][:prompt_len] for t in texts])
+    seqs = td.greedy_generations(target, prompts, new + k - 1, batch=2, log=lambda _msg: None)
+    held = td.HeldOut(seqs, td.aux_features(target, seqs, aux, batch=2), prompt_len, new)
+    with torch.no_grad():
+        hits = td.ttt_hits(draft, held.feats.float(), seqs, k)
+    replayed = [td.verify_walk([h[b : b + 1] for h in hits], prompt_len, new) for b in range(2)]
+    engine = [reference_speculative_generate(target, draft, aux, p.tolist(), new, k) for p in prompts]
+    for b, (out, steps) in enumerate(engine):
+        assert out == seqs[b, prompt_len : prompt_len + new].tolist()
+        assert replayed[b] == steps, (b, replayed[b], steps)
+    metrics = td.heldout_metrics(draft, held, k, chunk=1)
+    all_steps = [s for _, steps in engine for s in steps]
+    assert metrics["mean_acceptance_length"] == sum(all_steps) / len(all_steps) > 1.3
+    assert metrics["verify_steps"] == len(all_steps)
+    coverage = metrics["draft_vocab_coverage"]
+    for every, in_vocab in zip(metrics["top1_agreement_per_step"], metrics["top1_agreement_in_vocab_per_step"],
+                               strict=True):
+        assert abs(every - in_vocab * coverage) < 1e-9
+
+
+@pytest.mark.timeout(300)
+def test_training_keeps_the_draft_whose_heldout_acceptance_it_reports() -> None:
+    """``train_draft_on_generations`` with held-out generations returns the best logged draft, and the
+    acceptance it reports for it is what the engine measures when that draft decodes the held-out prompts."""
+    from dataclasses import replace
+
+    td = _train_demo()
+    target = _tiny_target()
+    aux = (2, 3, 4)
+    gen = torch.Generator().manual_seed(1)
+    recipe = td.GenerationRecipe(sequences=16, prompt_len=6, new_tokens=14, gen_batch=8, steps=30, batch_size=4,
+                                 lr=3e-3, draft_vocab_size=40, draft_intermediate_size=48)
+    seqs = td.greedy_generations(target, torch.randint(0, 60, (16, 6), generator=gen), 14, 8, lambda _msg: None)
+    feats = td.aux_features(target, seqs, aux, 8)
+    held_prompts = torch.randint(0, 60, (3, 8), generator=gen)
+    held_seqs = td.greedy_generations(target, held_prompts, 12 + 2, 8, lambda _msg: None)
+    held = td.HeldOut(held_seqs, td.aux_features(target, held_seqs, aux, 8), 8, 12)
+    sizes = replace(td.PRESETS["quick"], hidden_size=32, num_heads=4, num_kv_heads=2, draft_intermediate_size=48)
+    draft_ids = td.draft_vocabulary(seqs[:, 6:].reshape(-1), 60, 40)
+    draft = td.make_draft(sizes, target.config, draft_ids, aux)
+    lines: list[str] = []
+    record = td.train_draft_on_generations(draft, target, feats, seqs, recipe, 3, 0, lines.append, held=held)
+    kept = record["heldout"]
+    logged = [float(line.split("acceptance (k=3) ")[1].split()[0]) for line in lines if "held-out generations" in line]
+    assert len(logged) >= 2 and abs(kept["mean_acceptance_length"] - max(logged)) < 5e-4 and max(logged) > 1.0
+    steps = [s for p in held_prompts for s in reference_speculative_generate(target, draft, aux, p.tolist(), 12, 3)[1]]
+    assert sum(steps) / len(steps) == kept["mean_acceptance_length"]
