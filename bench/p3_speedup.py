@@ -88,6 +88,21 @@ def policy_runs(cs: Sequence[int]) -> list[tuple[int, int, str]]:
     return [(c, k, policy) for c in cs for k, policy in ((0, "always"), (3, "always"), (3, "adaptive"))]
 
 
+def interleaved(runs: Sequence[tuple[int, int, str]], repeats: int) -> list[tuple[int, int, str]]:
+    """``runs`` ``repeats`` times, interleaved so drift hits every variant alike, and with each c's variants
+    rotated by one place per repeat: a variant that always ran third after two others measured ~10 %
+    slower on one H200 in every repeat (the same rounds, every phase slower), an order effect, not its own."""
+    by_c: dict[int, list[tuple[int, int, str]]] = {}
+    for run in runs:
+        by_c.setdefault(run[0], []).append(run)
+    order = []
+    for i in range(repeats):
+        for group in by_c.values():
+            shift = i % len(group)
+            order += group[shift:] + group[:shift]
+    return order
+
+
 def _fmt(values: Sequence[float]) -> str:
     return "[" + ", ".join(f"{v:.1f}" for v in values) + "]"
 
@@ -160,7 +175,7 @@ def measure(runs: Sequence[tuple[int, int, str]], new_tokens: int, repeats: int,
         target, draft, what = _pair(work, pair)
         prompts = _prompts(target, max(c for c, _, _ in runs))
         started = time.perf_counter()
-        for c, k, policy in [run for _ in range(repeats) for run in runs]:  # interleaved: drift hits every run alike
+        for c, k, policy in interleaved(runs, repeats):
             if budget_s is not None and time.perf_counter() - started > budget_s and k and (0, "always") in measured.get(c, {}):
                 print(f"p3: skipping c={c} k={k} {policy}: the measured runs took over {budget_s:.0f} s "
                       "(the one-call GPU budget)", file=sys.stderr)

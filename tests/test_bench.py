@@ -252,3 +252,16 @@ def test_pipeline_sweep_script_refuses_bad_concurrencies(tmp_path: Path) -> None
     proc = subprocess.run([sys.executable, "bench/pipeline_microbatches.py", "--c", "8,x", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
     assert proc.returncode == 2 and "--c '8,x'" in proc.stderr
+
+
+def test_p3_runs_rotate_their_order_every_repeat() -> None:
+    """Every variant of a c runs first, second and third equally often (an order effect cannot favour one)."""
+    from bench.p3_speedup import interleaved, policy_runs
+
+    runs = policy_runs([1, 8])
+    order = interleaved(runs, 3)
+    assert sorted(order) == sorted(runs * 3)
+    for c in (1, 8):
+        per_repeat = [[r for r in order[i * 6:(i + 1) * 6] if r[0] == c] for i in range(3)]
+        positions = {run: sorted(rep.index(run) for rep in per_repeat) for run in runs if run[0] == c}
+        assert all(p == [0, 1, 2] for p in positions.values()), positions
