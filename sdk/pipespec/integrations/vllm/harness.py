@@ -65,6 +65,9 @@ class Job:
     architecture: str  # registry name that builds ``causal_lm``
     decoder_attr: str = "model"  # attribute of the *ForCausalLM holding the decoder
     code: str | None = None  # adapted module source; None checks the installed module as it is
+    #: the module defining ``causal_lm`` when it is not ``module`` (a registered multimodal class in another
+    #: file that imports the decoder's holder from ``module``: ernie45_vl around ernie45_vl_moe)
+    holder_module: str | None = None
 
 
 def zoo_ids(num_layers: int, pp_start: int) -> tuple[int, ...]:
@@ -149,10 +152,53 @@ def _reregistration(original: str) -> Iterator[None]:
 
 def _classes(job: Job) -> tuple[type, type]:
     """(class under test, unadapted reference class) of ``job``'s ``*ForCausalLM``."""
-    original = importlib.import_module(job.module)
+    original = importlib.import_module(job.holder_module or job.module)
     reference = getattr(original, job.causal_lm)
-    tested = getattr(_adapted_module(job), job.causal_lm) if job.code is not None else reference
-    return tested, reference
+    if job.code is None:
+        return reference, reference
+    adapted = _adapted_module(job)
+    if job.holder_module is None:
+        return getattr(adapted, job.causal_lm), reference
+    return getattr(_rebound_holder(job, adapted), job.causal_lm), reference
+
+
+_HOLDERS: dict[tuple[str, int], types.ModuleType] = {}
+
+
+def _rebound_holder(job: Job, adapted: types.ModuleType) -> types.ModuleType:
+    """A copy of the installed ``job.holder_module`` whose names imported from ``job.module`` are the
+    adapted module's classes (its code looks them up as globals when it builds the language model)."""
+    assert job.holder_module is not None and job.code is not None
+    key = (job.holder_module, zlib.crc32(job.code.encode()))
+    if key in _HOLDERS:
+        return _HOLDERS[key]
+    installed_holder = importlib.import_module(job.holder_module)
+    installed = importlib.import_module(job.module)
+    path = inspect.getsourcefile(installed_holder)
+    if path is None:
+        raise RuntimeError(f"{job.holder_module} has no source file to copy")
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    package, _, stem = job.holder_module.rpartition(".")
+    name = f"{package}._pipespec_holder_{stem}_{key[1]:08x}"
+    module = types.ModuleType(name)
+    module.__package__ = package
+    module.__file__ = path
+    sys.modules[name] = module
+    try:
+        with _reregistration(job.holder_module):
+            exec(compile(source, path, "exec", dont_inherit=True), module.__dict__)  # noqa: S102
+    except BaseException:
+        del sys.modules[name]
+        raise
+    rebound = [k for k, v in module.__dict__.items()
+               if isinstance(v, type) and getattr(installed, k, None) is v and hasattr(adapted, k)]
+    if not rebound:
+        raise RuntimeError(f"{job.holder_module} imports no class of {job.module}: it cannot hold the adapted decoder")
+    for k in rebound:
+        setattr(module, k, getattr(adapted, k))
+    _HOLDERS[key] = module
+    return module
 
 
 # ------------------------------------------------------------------------------------ building
@@ -189,7 +235,7 @@ def _register(job: Job) -> None:
     from vllm.model_executor.models.registry import ModelRegistry
 
     if job.architecture not in _REGISTERED:
-        ModelRegistry.register_model(job.architecture, getattr(importlib.import_module(job.module), job.causal_lm))
+        ModelRegistry.register_model(job.architecture, getattr(importlib.import_module(job.holder_module or job.module), job.causal_lm))
         _REGISTERED.add(job.architecture)
 
 
@@ -270,6 +316,8 @@ def _silence_attention(model: torch.nn.Module) -> None:
             buffer.zero_()
         return _zeros_like(out)
 
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+
     for module in model.modules():
         if isinstance(module, AttentionLayerBase):
             if "output" in inspect.signature(module.forward).parameters:
@@ -277,8 +325,16 @@ def _silence_attention(model: torch.nn.Module) -> None:
                 # would be zeroed, and vLLM's own no-metadata path for it cannot run on CPU (it hands
                 # out_proj a transposed view; the CPU build's oneDNN GEMM needs stride(-1) == 1)
                 module.forward = types.MethodType(_zero_output_buffer, module)
+            elif isinstance(module, MambaMixer2):
+                # nor is a Mamba-2 mixer: without metadata vLLM warms up its SSD kernels, which empties an
+                # accelerator cache (RuntimeError on CPU); its output has the stream's shape
+                module.forward = types.MethodType(_zero_stream, module)
             else:
                 module.register_forward_hook(zero, with_kwargs=True)
+
+
+def _zero_stream(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.zeros_like(hidden_states)
 
 
 def _zero_output_buffer(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:

@@ -22,7 +22,7 @@ import os
 from functools import cache
 from typing import Any
 
-__all__ = ["ARCH_FIXES", "GENERIC_REMOTE", "REMOTE_MODEL_TYPES", "SIZE_LIMITS", "TinyConfigError", "architectures_of", "check_tiny",
+__all__ = ["ARCH_FIXES", "CONSTRUCTOR_FIXES", "GENERIC_REMOTE", "REMOTE_MODEL_TYPES", "SIZE_LIMITS", "TinyConfigError", "architectures_of", "check_tiny",
            "model_type_of", "tiny_vllm_config", "write_model_dir"]
 
 #: Fields of the generic config used for architectures whose config class neither transformers nor vLLM
@@ -80,6 +80,9 @@ ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
          "ffn": {"no_op": i == 4, "replace_with_linear": False, "intermediate_size": 128}} for i in range(6)]},
         "remote-code config: one block config per layer (layer 2 without attention, layer 4 without FFN: "
         "Nemotron-NAS's no-op blocks)"),
+    "LagunaForCausalLM": ({"mlp_layer_types": ["dense"] * 6},
+                          "every layer a dense MLP: its MoE routes with sigmoid scores without expert groups, which "
+                          "the CPU build's router does not implement (it asserts softmax), so its MoE is not built"),
     "Glm4MoeForCausalLM": ({"head_dim": 16}, "vLLM reads config.head_dim, which transformers' Glm4MoeConfig derives"),
     "AfmoeForCausalLM": ({"score_func": "softmax", "route_norm": True, "n_group": 1, "topk_group": 1},
                          "vLLM reads the router's remote-code fields (score_func, route_norm, groups)"),
@@ -105,6 +108,42 @@ ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
                            "vLLM asserts max_position_embeddings is set; its KV groups (default 8) must divide the "
                            "tiny 4 heads; MoE sizes use step3's own names"),
 }
+
+
+_TINY_TEXT = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "vocab_size": 256, "num_hidden_layers": 6, "intermediate_size": 128, "hidden_act": "silu",
+              "max_position_embeddings": 128, "rope_theta": 10000.0, "layer_norm_eps": 1e-6,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+#: Keyword arguments for the constructor of a vLLM config class whose sizes are not top-level fields (a
+#: nested dict it parses itself), each with why.
+CONSTRUCTOR_FIXES: dict[str, tuple[dict[str, Any], str]] = {
+    "Moondream3ForCausalLM": ({"config": {
+        "text": {"dim": 128, "ff_dim": 256, "n_layers": 6, "vocab_size": 256, "max_context": 128, "n_heads": 2,
+                 "n_kv_heads": 2, "prefix_attn": 4, "rope_theta": 10000.0,
+                 "moe": {"start_layer": 2, "n_experts": 4, "n_experts_per_tok": 2, "expert_inner_dim": 32}},
+        "vision": {"enc_dim": 32, "enc_patch_size": 14, "enc_n_layers": 1, "enc_ff_dim": 64, "enc_n_heads": 2,
+                   "proj_inner_dim": 64, "crop_size": 28, "max_crops": 1}}},
+        "Moondream3Config parses its text and vision sizes from one nested `config` dict; its rope rotates "
+        "32 dims of each head, so heads are 64 wide (hidden 128, 2 heads)"),
+}
+#: Keys a config class derives in its constructor and a checkpoint's config.json does not carry (written
+#: back, they would replace the derived sub-configs with plain dicts when vLLM loads the directory).
+_DERIVED_KEYS = {"Moondream3ForCausalLM": ("text_config", "vision_config")}
+ARCH_FIXES["Molmo2ForConditionalGeneration"] = (
+    {"text_config": {**_TINY_TEXT, "additional_vocab_size": 128, "qkv_bias": True, "use_qk_norm": False,
+                     "qk_norm_type": "olmo", "norm_after": False, "rope_scaling_layers": None},
+     "vit_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                    "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "gelu_pytorch_tanh",
+                    "layer_norm_eps": 1e-6, "image_default_input_size": [28, 28], "image_patch_size": 14,
+                    "image_num_pos": 5},
+     "adapter_config": {"vit_layers": [-1, -2], "pooling_attention_mask": False, "hidden_size": 32,
+                        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+                        "intermediate_size": 64, "text_hidden_size": 64},
+     "image_patch_id": 250, "image_col_id": 251, "image_start_token_id": 252, "image_end_token_id": 253,
+     "low_res_image_start_token_id": 254, "frame_start_token_id": 248, "frame_end_token_id": 249,
+     "image_low_res_id": 247, "tie_word_embeddings": False},
+    "remote-code config: text, ViT and adapter sub-configs (the model reads them by attribute) and the image "
+    "token ids")
 
 
 class TinyConfigError(Exception):
@@ -216,6 +255,7 @@ def tiny_vllm_config(architecture: str, file_stem: str) -> tuple[Any, str]:
         hf_fix = hf_tiny.FIXES.get(model_type)
         if hf_fix is not None:
             hf_fix.apply(kwargs)
+        kwargs.update(CONSTRUCTOR_FIXES.get(architecture, ({}, ""))[0])
         try:
             with hf_tiny._quiet():
                 config = config_cls(**kwargs)
@@ -248,8 +288,11 @@ def _remote_config(architecture: str, file_stem: str, fix: dict[str, Any]) -> An
 
         def __init__(self: Any, **kwargs: Any) -> None:  # noqa: N807 - the config class's constructor
             for name in _ATTRIBUTE_FIELDS:
-                if isinstance(kwargs.get(name), list):
-                    kwargs[name] = [_attrs(item) for item in kwargs[name]]
+                if isinstance(kwargs.get(name), (list, dict)):
+                    kwargs[name] = _attrs(kwargs[name])
+            for name in _SUB_CONFIGS:
+                if isinstance(kwargs.get(name), dict):
+                    kwargs[name] = PretrainedConfig(**kwargs[name])
             PretrainedConfig.__init__(self, **kwargs)
 
         config_cls = type(f"Tiny{architecture}Config", (PretrainedConfig,),
@@ -266,7 +309,9 @@ def _remote_config(architecture: str, file_stem: str, fix: dict[str, Any]) -> An
 REMOTE_MODEL_TYPES = {"DeciLMForCausalLM": "nemotron-nas"}
 #: Remote-code config fields whose items the model code reads by attribute (``block_config.ffn.no_op``):
 #: the remote config class parses them into objects; here they become ``_Attrs`` (still JSON dicts).
-_ATTRIBUTE_FIELDS = ("block_configs",)
+_ATTRIBUTE_FIELDS = ("block_configs", "vit_config", "adapter_config")
+#: Remote-code config fields that are configs of their own (vLLM's ``get_text_config`` returns them).
+_SUB_CONFIGS = ("text_config",)
 
 
 class _Attrs(dict):  # type: ignore[type-arg]
@@ -280,6 +325,8 @@ class _Attrs(dict):  # type: ignore[type-arg]
 
 
 def _attrs(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_attrs(v) for v in value]
     return _Attrs({k: _attrs(v) for k, v in value.items()}) if isinstance(value, dict) else value
 
 
@@ -318,6 +365,8 @@ def write_model_dir(config: Any, directory: str) -> str:
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     data.pop("torch_dtype", None)
+    for key in _DERIVED_KEYS.get((getattr(config, "architectures", None) or [""])[0], ()):
+        data.pop(key, None)
     data["dtype"] = "float32"
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f)

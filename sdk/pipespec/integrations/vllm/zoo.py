@@ -292,9 +292,61 @@ def _jobs_for(rel: str, outcome: Any, code: str | None, source: str) -> tuple[Jo
         if arch is not None:
             return Job(file=rel, module=module, decoder=outcome.class_name, causal_lm=holder, architecture=arch,
                        decoder_attr=attr, code=code), ""
+    for holder_module, registered_cls in _importing_holders(module, [*holders, outcome.class_name]):
+        arch = _architecture(holder_module, registered_cls)
+        if arch is not None:
+            return Job(file=rel, module=module, decoder=outcome.class_name, causal_lm=registered_cls,
+                       architecture=arch, decoder_attr=attr, code=code, holder_module=holder_module), ""
     return None, (f"no architecture in vLLM's registry builds a class holding {outcome.class_name} "
                   f"(holders in {rel}: {', '.join(holders) or 'none'}; registered classes in it: "
-                  f"{', '.join(registered) or 'none'}), so vLLM cannot build it by name")
+                  f"{', '.join(registered) or 'none'}; no registered module imports them), so vLLM cannot build "
+                  "it by name")
+
+
+def _importing_holders(module: str, names: Sequence[str]) -> list[tuple[str, str]]:
+    """(registered module, registered class) pairs whose module imports one of ``names`` from ``module``
+    and defines the registered class: the registered model built around a holder in another file
+    (ernie45_vl's ``Ernie4_5_VLMoeForConditionalGeneration`` around ernie45_vl_moe's holder). Read from
+    the source (ast), so the parent never imports model code."""
+    import ast
+
+    from pipespec.integrations.vllm.tiny import _registry
+
+    root = vllm_root()
+    package, _, stem = module.rpartition(".")
+    out = []
+    for mod, cls in sorted(_registry()):
+        if mod == module or not mod.startswith("vllm."):
+            continue
+        path = os.path.join(root, *mod.split(".")[1:]) + ".py"
+        tree = _parsed(path)
+        if tree is None or not any(isinstance(n, ast.ClassDef) and n.name == cls for n in tree.body):
+            continue
+        mod_package = mod.rpartition(".")[0]
+        for node in tree.body:
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            source = (node.module or "") if node.level == 0 else (
+                ".".join([mod_package, *([node.module] if node.module else [])]) if node.level == 1 else "")
+            if source in (module, f"{package}.{stem}") and any(a.name in names for a in node.names):
+                out.append((mod, cls))
+                break
+    return out
+
+
+_PARSED: dict[str, Any] = {}
+
+
+def _parsed(path: str) -> Any:
+    import ast
+
+    if path not in _PARSED:
+        try:
+            with open(path, encoding="utf-8") as f:
+                _PARSED[path] = ast.parse(f.read())
+        except (OSError, SyntaxError):
+            _PARSED[path] = None
+    return _PARSED[path]
 
 
 def adapt_files(files: Sequence[str], progress: Callable[[str], None] | None = None) -> list[tuple[str, Any, str | None, str]]:
