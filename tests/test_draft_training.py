@@ -219,3 +219,20 @@ def test_training_keeps_the_draft_whose_heldout_acceptance_it_reports() -> None:
     assert len(logged) >= 2 and abs(kept["mean_acceptance_length"] - max(logged)) < 5e-4 and max(logged) > 1.0
     steps = [s for p in held_prompts for s in reference_speculative_generate(target, draft, aux, p.tolist(), 12, 3)[1]]
     assert sum(steps) / len(steps) == kept["mean_acceptance_length"]
+
+
+@pytest.mark.skipif(not demo_available(), reason="the demo checkpoints are not installed with this package")
+def test_generation_prompts_are_distinct_even_where_file_starts_repeat() -> None:
+    """Every third draw starts at a file's first line; with few files those repeat, and a repeated prompt is a
+    repeated greedy generation (memorized, not learned). The prompts returned are distinct, seeded, and
+    each is the tokenization's prefix of the text at a line start of a file."""
+    td = _train_demo()
+    tok = AutoTokenizer.from_pretrained(demo_target_dir())
+    texts = [f"def f{i}(x):\n" + "".join(f"{j}{i} = x\n" for j in range(25)) for i in range(6)]
+    prompts = td.generation_prompts(tok, texts, 40, 6, seed=0)
+    rows = [tuple(r) for r in prompts.tolist()]
+    assert prompts.shape == (40, 6) and len(set(rows)) == 40
+    assert sum(r == tuple(tok(t, add_special_tokens=False)["input_ids"][:6]) for t in texts for r in rows) == 6
+    assert torch.equal(prompts, td.generation_prompts(tok, texts, 40, 6, seed=0))
+    with pytest.raises(RuntimeError, match="distinct generation prompts"):
+        td.generation_prompts(tok, texts[:1], 100, 6, seed=0)
