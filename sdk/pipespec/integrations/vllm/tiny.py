@@ -83,6 +83,15 @@ ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
     "LagunaForCausalLM": ({"mlp_layer_types": ["dense"] * 6},
                           "every layer a dense MLP: its MoE routes with sigmoid scores without expert groups, which "
                           "the CPU build's router does not implement (it asserts softmax), so its MoE is not built"),
+    "Ernie4_5_VLMoeForConditionalGeneration": (
+        {"moe_num_experts": [4, 4], "moe_layer_start_index": [1, 1], "moe_layer_end_index": [5, 5],
+         "moe_intermediate_size": [32, 32], "moe_k": 2, "moe_num_shared_experts": 1, "freq_allocation": 4,
+         "vision_config": {"depth": 1, "embed_dim": 32, "hidden_size": 32, "in_channels": 3, "mlp_ratio": 2,
+                           "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2},
+         "pixel_hidden_size": 32, "spatial_conv_size": 2, "temporal_conv_size": 2, "use_temporal_conv": True,
+         "im_patch_id": 250},
+        "remote-code config: text and vision expert lists, MoE layer span, 3-D rope split, a tiny vision "
+        "sub-config (the tower itself is not built: language_model_only)"),
     "Glm4MoeForCausalLM": ({"head_dim": 16}, "vLLM reads config.head_dim, which transformers' Glm4MoeConfig derives"),
     "AfmoeForCausalLM": ({"score_func": "softmax", "route_norm": True, "n_group": 1, "topk_group": 1},
                          "vLLM reads the router's remote-code fields (score_func, route_norm, groups)"),
@@ -194,6 +203,8 @@ def model_type_of(architecture: str, file_stem: str) -> str | None:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     vllm_types = _vllm_config_classes()
+    if architecture in REMOTE_MODEL_TYPES:
+        return None  # vLLM's code reads the remote-code config's fields, not transformers' class
     if architecture in _hf_class_to_type():
         return _hf_class_to_type()[architecture]
     candidates = [file_stem, file_stem.lower(), architecture.removesuffix("ForCausalLM").lower()]
@@ -306,10 +317,13 @@ def _remote_config(architecture: str, file_stem: str, fix: dict[str, Any]) -> An
 
 #: The model type a remote-code config declares where vLLM keys behaviour on it (its per-type
 #: ``ModelArchConfigConvertor``: Nemotron-NAS's KV heads come from its block configs).
-REMOTE_MODEL_TYPES = {"DeciLMForCausalLM": "nemotron-nas"}
+REMOTE_MODEL_TYPES = {"DeciLMForCausalLM": "nemotron-nas",
+                      # transformers' Ernie4_5_VLMoeConfig has other fields (one int per expert kind) than the
+                      # remote-code config vLLM's ernie45_vl reads (lists over text and vision experts)
+                      "Ernie4_5_VLMoeForConditionalGeneration": "ernie4_5_moe_vl"}
 #: Remote-code config fields whose items the model code reads by attribute (``block_config.ffn.no_op``):
 #: the remote config class parses them into objects; here they become ``_Attrs`` (still JSON dicts).
-_ATTRIBUTE_FIELDS = ("block_configs", "vit_config", "adapter_config")
+_ATTRIBUTE_FIELDS = ("block_configs", "vit_config", "adapter_config", "vision_config")
 #: Remote-code config fields that are configs of their own (vLLM's ``get_text_config`` returns them).
 _SUB_CONFIGS = ("text_config",)
 
