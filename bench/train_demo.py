@@ -7,8 +7,9 @@ machine with Python has it), seeded::
     python bench/train_demo.py --out /tmp/demo --device cuda      # the shipped size (a few min on one GPU)
     python bench/train_demo.py --out /tmp/pair --device cuda --preset medium --max-train-s 200
                                                                   # a ~51M target for GPU speedup runs (~5 min on one H200)
-    python bench/train_demo.py --retrain-draft sdk/pipespec/demo --out /tmp/d2 --device cuda --gen-sequences 16384 \
-        --gen-batch 512 --draft-steps 6000 --batch-size 64 --max-train-s 300
+    python bench/train_demo.py --retrain-draft sdk/pipespec/demo --out /tmp/d2 --device cuda --gen-sequences 131072 \
+        --gen-batch 4096 --gen-prompt-len 12 --gen-new-tokens 148 --heldout-sequences 256 --draft-steps 5000 \
+        --batch-size 256 --max-train-s 220
                                                                   # keep the demo target, train a new draft on
                                                                   # the target's own greedy generations
 
