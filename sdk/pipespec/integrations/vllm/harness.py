@@ -235,7 +235,8 @@ def _register(job: Job) -> None:
     from vllm.model_executor.models.registry import ModelRegistry
 
     if job.architecture not in _REGISTERED:
-        ModelRegistry.register_model(job.architecture, getattr(importlib.import_module(job.holder_module or job.module), job.causal_lm))
+        holder = importlib.import_module(job.holder_module or job.module)
+        ModelRegistry.register_model(job.architecture, getattr(holder, job.causal_lm))
         _REGISTERED.add(job.architecture)
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from pipespec.integrations.vllm.harness import ATOL, AUX_PREFIX, Job, serve
 
-__all__ = ["FLAG_CLASSES", "STATUSES", "ZooResult", "decoder_files", "inherited_flag_verdicts", "run_vllm_zoo"]
+__all__ = ["ENVIRONMENT_ERRORS", "FLAG_CLASSES", "STATUSES", "ZooResult", "decoder_files", "inherited_flag_verdicts", "run_vllm_zoo"]
 
 STATUSES = ("verified", "supported", "declined", "failed")
 #: Seconds one model may take in one worker request before the worker is restarted.
@@ -222,13 +222,35 @@ class _Pool:
 
 
 # --------------------------------------------------------------------------------------- checks
+#: Build errors that come from this machine's vLLM build, not from the model or its adaptation: (text in
+#: the error, what it means). A row with one stays "failed"; its reason says the decoder was not checked.
+ENVIRONMENT_ERRORS = (
+    ("No module named 'torchvision'", "the model module imports torchvision (its image processor) at import; this "
+     "venv has none, as PyPI's torchvision for torch 2.13 breaks `import vllm` (torchvision::nms)"),
+    ("Torch not compiled with CUDA enabled", "this variant builds CUDA tensors or kernels at construction"),
+    ("module 'triton' has no attribute", "a layer sets up Triton at construction; this CPU build has no Triton backend"),
+    ("'_moe_C'", "its MoE router calls a CUDA fused-MoE op (torch.ops._moe_C) that the CPU build does not have"),
+    ("No module named 'cutlass'", "this variant imports NVIDIA CUTLASS"),
+    ("not supported by backend CPU_ATTN", "its attention asks for an option vLLM's CPU attention backend rejects"),
+    ("CPUAttentionBackendImpl.__init__() got an unexpected keyword",
+     "its attention passes an option vLLM's CPU attention backend does not take"),
+)
+
+
+def _environment(reason: str) -> str:
+    for text, meaning in ENVIRONMENT_ERRORS:
+        if text in reason:
+            return f"{reason} [not checked on this machine: {meaning}; the adapted decoder was not built]"
+    return reason
+
+
 def _check(pool: _Pool, job: Job, row: ZooResult) -> None:
     """Fill ``row`` from the PP=1 and PP=2 checks of ``job``."""
     from pipespec.layout import plan_layout
 
     kind, answer = pool.ask("pp1", ("pp1", (job,)))
     if kind != "ok":  # a mismatch names its check itself ("PP=1: aux id ...", "... at PP=1")
-        row.status, row.reason = "failed", answer if kind == "mismatch" else f"PP=1: {answer}"
+        row.status, row.reason = "failed", answer if kind == "mismatch" else _environment(f"PP=1: {answer}")
         return
     n, ids, reference = answer["num_layers"], tuple(answer["ids"]), answer["reference"]
     row.num_layers, row.aux_layers, row.max_abs_err_pp1 = n, ids, answer["max_abs_err"]
