@@ -27,7 +27,7 @@ def adapter(
     *,
     name: str | None = None,
     model_types: Sequence[str] = (),
-    dialect: str = "vllm",
+    dialect: str = "pipespec",  # hand-written for pipespec's runtime (AuxHiddenStatesMixin), not vLLM's contract
     **fields: Any,
 ) -> Callable[[T], T]:
     """Register the decorated decoder class as supporting aux hidden states over PP."""
