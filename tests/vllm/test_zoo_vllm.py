@@ -18,11 +18,15 @@ import pytest
 
 from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
 from pipespec.integrations.vllm.harness import Job
+from pipespec.integrations.vllm.tiny import tiny_vllm_config, write_model_dir
 from pipespec.integrations.vllm.zoo import (
     STATUSES,
     ZooResult,
     _check,
+    _environment,
+    _importing_holders,
     _Pool,
+    adapt_files,
     inherited_flag_verdicts,
     vllm_root,
 )
@@ -91,6 +95,47 @@ def test_capture_at_idx_instead_of_idx_plus_one_is_a_numerical_mismatch(pool: _P
     assert bad_row.status == "failed"
     assert re.fullmatch(r"PP=1: aux ids? [\d, ]+ differs? from the residual stream \(worst: id \d by [\d.e+-]+; "
                         r"ids \[0, 3, 4, 6\]\)", bad_row.reason), bad_row.reason
+
+
+@pytest.mark.timeout(240)
+def test_mamba1_mixer_without_runner_metadata_is_checked(pool: _Pool) -> None:
+    """mamba.py adapted: its Mamba-1 mixers (whose no-metadata path cannot run on the CPU build) are not
+    run, and the decoder loop is verified at PP=1 and PP=2 like any other."""
+    (rel, outcome, code, _source_text), = adapt_files(["model_executor/models/mamba.py"])
+    assert outcome.status == "adapted" and code is not None
+    job = Job(file=rel, module=f"{MODELS}.mamba", decoder=outcome.class_name, causal_lm="MambaForCausalLM",
+              architecture="MambaForCausalLM", code=code)
+    row = _row(job)
+    _check(pool, job, row)
+    assert row.status == "verified", row.reason
+    assert row.max_abs_err_pp2 is not None and row.max_abs_err_pp2 <= 1e-5
+
+
+def test_holder_in_another_file_is_found_through_the_registry() -> None:
+    """ernie45_vl_moe.py's holder is built by ernie45_vl.py's registered class, which imports it."""
+    assert _importing_holders(f"{MODELS}.ernie45_vl_moe", ["Ernie4_5_VLMoeForCausalLM"]) == [
+        (f"{MODELS}.ernie45_vl", "Ernie4_5_VLMoeForConditionalGeneration")]
+    assert _importing_holders(f"{MODELS}.llama", ["NoSuchHolder"]) == []
+
+
+def test_remote_config_block_configs_read_by_attribute_after_loading(tmp_path: Path) -> None:
+    """Nemotron-NAS's tiny remote-code config: its per-layer block configs read by attribute, also after
+    vLLM's loader reads the written directory back (the no-op layers survive the round trip)."""
+    from transformers import AutoConfig
+
+    config, model_type = tiny_vllm_config("DeciLMForCausalLM", "nemotron_nas")
+    assert model_type == "nemotron-nas"
+    loaded = AutoConfig.from_pretrained(write_model_dir(config, str(tmp_path)))
+    assert [b.attention.no_op for b in loaded.block_configs] == [False, False, True, False, False, False]
+    assert [b.ffn.no_op for b in loaded.block_configs] == [False, False, False, False, True, False]
+    assert not hasattr(loaded.block_configs[0].ffn, "ffn_mult")
+
+
+def test_build_error_of_this_machine_says_it_was_not_checked() -> None:
+    """A known CPU-build error keeps its text and says the decoder was not checked; others are unchanged."""
+    reason = _environment("PP=1: ModuleNotFoundError: No module named 'torchvision'")
+    assert reason.startswith("PP=1: ModuleNotFoundError: No module named 'torchvision' [not checked on this machine:")
+    assert _environment("PP=1: ValueError: bad size") == "PP=1: ValueError: bad size"
 
 
 def _cli(*args: str, python: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:

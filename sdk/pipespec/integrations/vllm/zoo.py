@@ -471,8 +471,14 @@ def coverage_markdown(results: Sequence[ZooResult], verdicts: Sequence[dict[str,
         "processes, `get_pp_group()`) rank 0 sends exactly the aux keys `pipespec.layout.plan_layout` plans for "
         "stage 0 and rank 1, fed rank 0's tensors, returns aux states equal to the PP=1 reference. Attention "
         "is not exercised: without the model runner's metadata vLLM's attention layers return an unwritten "
-        "buffer, so the harness zeroes every attention layer's output in both models "
-        "(`pipespec.integrations.vllm.harness`).",
+        "buffer, so the harness zeroes every attention layer's output in both models; Mamba-1/Mamba-2 "
+        "mixers are not run at all (their no-metadata paths cannot run on the CPU build) and output zeros "
+        "(`pipespec.integrations.vllm.harness`). Multimodal models are built in vLLM's text-only mode "
+        "(`language_model_only`: towers not built). Where a tiny config departs from the model's usual shape "
+        "to run on this CPU build (e.g. dense layers, full attention), `pipespec.integrations.vllm.tiny` "
+        "says why per architecture. A reason ending in \"not checked on this machine\" is a build error of "
+        "this vLLM CPU build (torchvision, CUDA, Triton, CUTLASS, CPU attention options): that decoder was "
+        "adapted but neither built nor checked here.",
         "",
         f"Generated {meta['date']} in {meta['wall_s']:.0f} s wall ({meta['cpus']} CPUs, load average "
         f"{meta['load']:.1f} at the start).",
