@@ -24,9 +24,12 @@ executes the code it reads.
 
 from __future__ import annotations
 
+import importlib.util
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from dataclasses import replace as replace_plan
+from pathlib import Path
 
 import libcst as cst
 import libcst.matchers as m
@@ -37,6 +40,7 @@ from pipespec.codemods.import_edits import add_first_party_import
 from pipespec.codemods.vllm_forward_shape import is_docstring, names_in, self_attr
 from pipespec.codemods.vllm_native_shape import (
     FLAG,
+    ClassLookup,
     Decline,
     ForwardPlan,
     code_of,
@@ -45,6 +49,7 @@ from pipespec.codemods.vllm_native_shape import (
     methods,
     own_flag,
     params_of,
+    residual_read,
 )
 from pipespec.errors import UsageError
 from pipespec.spec import AdapterSpec
@@ -82,20 +87,111 @@ class VllmAdaptation:
     decoders: tuple[DecoderOutcome, ...]
 
 
+ModuleReader = Callable[[str], "str | None"]
+
+
+def _default_reader(label: str) -> ModuleReader:
+    """Siblings of ``label`` on disk; else, for a label inside vLLM (``vllm/model_executor/models/x.py``, or
+    relative to the package: ``model_executor/...``, ``models/...``), the installed vLLM's source (found
+    with ``importlib.util.find_spec``, which does not import it)."""
+    path = Path(label.split(" (")[0])
+    base: Path | None = path.parent if path.is_file() else None
+    inside = path.parts[1:] if path.parts[:1] == ("vllm",) else path.parts  # "vllm/models/..." or "models/..."
+    if base is None and inside[:1] in (("model_executor",), ("models",)):
+        found = importlib.util.find_spec("vllm")
+        if found is not None and found.origin is not None:
+            candidate = Path(found.origin).parent.joinpath(*inside)
+            base = candidate.parent if candidate.is_file() else None
+    root = next((p for p in ([base, *base.parents] if base else []) if p.name == "vllm"), None)
+
+    def read(dotted: str) -> str | None:
+        if base is None:
+            return None
+        if dotted.startswith("vllm."):
+            if root is None:
+                return None
+            target = root.parent.joinpath(*dotted.split(".")).with_suffix(".py")
+        else:
+            target = base.joinpath(*dotted.split(".")).with_suffix(".py")
+        try:
+            return target.read_text(encoding="utf-8")
+        except OSError:
+            return None
+
+    return read
+
+
+class _ClassIndex:
+    """Classes by name as one module sees them: its own, and those it imports (``from .x import C`` or
+    ``from vllm.<...>.x import C``) from modules ``read`` finds, each parsed once."""
+
+    def __init__(self, module: cst.Module, read: ModuleReader, cache: dict[str, cst.Module | None] | None = None) -> None:
+        self.read = read
+        self.cache: dict[str, cst.Module | None] = cache if cache is not None else {}
+        self.classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+        self.imports: dict[str, tuple[str, str]] = {}  # local name -> (module, its name there)
+        for stmt in module.body:
+            if not m.matches(stmt, m.SimpleStatementLine(body=[m.ImportFrom()])):
+                continue
+            imp = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.ImportFrom)
+            if imp.module is None or isinstance(imp.names, cst.ImportStar) or len(imp.relative) > 1:
+                continue
+            dotted = code_of_exact(imp.module)
+            if not imp.relative and not dotted.startswith("vllm."):
+                continue
+            for alias in imp.names:
+                local = alias.asname.name if alias.asname else alias.name
+                if isinstance(local, cst.Name):
+                    self.imports[local.value] = (dotted, alias.evaluated_name)
+
+    def lookup(self, name: str, context: cst.ClassDef | None = None) -> tuple[cst.ClassDef, ClassLookup] | None:
+        """The class ``name`` means here, and the lookup that applies inside its own module."""
+        if name in self.classes:
+            return self.classes[name], self.lookup
+        if name not in self.imports:
+            return None
+        dotted, there = self.imports[name]
+        if dotted not in self.cache:
+            source = self.read(dotted)
+            try:
+                self.cache[dotted] = cst.parse_module(source) if source is not None else None
+            except cst.ParserSyntaxError:
+                self.cache[dotted] = None
+        parsed = self.cache[dotted]
+        if parsed is None:
+            return None
+        if dotted.startswith("vllm."):  # its relative imports are relative to its own package
+            package = dotted.rsplit(".", 1)[0]
+            read = self.read
+
+            def sibling(rel: str) -> str | None:
+                return read(rel if rel.startswith("vllm.") else f"{package}.{rel}")
+
+            return _ClassIndex(parsed, sibling).lookup(there)
+        return _ClassIndex(parsed, self.read, self.cache).lookup(there)
+
+
 @dataclass(frozen=True)
 class _Holder:
     cls: cst.ClassDef
-    attr: str
+    attr: str  # "model", or "model.decoder" through a wrapper
+    wrapper: cst.ClassDef | None = None  # the plain class between them (OPTModel), if any
+    wrapper_attr: str = ""  # the wrapper's attribute holding the decoder ("decoder")
 
 
 def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = None,
-                      spec: AdapterSpec | None = None, absolute_imports: bool | None = None) -> VllmAdaptation:
+                      spec: AdapterSpec | None = None, absolute_imports: bool | None = None,
+                      read_module: ModuleReader | None = None) -> VllmAdaptation:
     """Rewrite the PP decoders of one vLLM model file to vLLM's EAGLE3-over-PP contract.
 
     ``classes`` names decoders or the ``*ForCausalLM`` classes holding them (default: every PP decoder).
     ``absolute_imports``: the imports it adds are ``vllm.model_executor.models.*`` (True), ``.interfaces``
     style (False), or follow the file (None). Raises ``UsageError`` for a file without a PP decoder or an
-    unknown class. Example::
+    unknown class. ``read_module(dotted)`` returns the source of a module the file imports from
+    (``"qwen3_moe"`` for ``from .qwen3_moe import``, or ``"vllm.model_executor.models.qwen3_moe"``), or
+    None; it is how a layer class defined elsewhere is read. Default: the file's siblings where ``label``
+    is a path, else the installed vLLM's source where ``label`` is a path inside it (``vllm/...``).
+    Example::
 
         out = adapt_vllm_module(Path("gemma2.py").read_text(), label="gemma2.py")
         [(d.class_name, d.status) for d in out.decoders]   # [("Gemma2Model", "adapted")]
@@ -112,6 +208,7 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
 
     top = [s for s in module.body if isinstance(s, cst.ClassDef)]
     decoders = [c for c in top if is_pp_decoder(c)]
+    lookup = _ClassIndex(module, read_module if read_module is not None else _default_reader(label)).lookup
     if not decoders:
         present = ", ".join(c.name.value for c in top) or "none"
         raise UsageError(f"{label}: no PP decoder here ({PP_DECODER}; classes here: {present}); "
@@ -135,6 +232,9 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
             status, reason = _judge(dec)
             if status == "adapted":
                 plan = forward_plan(dec, line_of)
+                if (plan.residual is not None and not plan.own_capture and plan.before_capture is None
+                        and not residual_read(dec, plan, lookup)):
+                    plan = replace_plan(plan, stale_residual=True)
                 new_dec, imports = _adapt_decoder(replace.get(id(dec), dec), plan, spec, label, module)
                 if spec is not None and held and spec.embed_decoder_attr not in (None, attr):
                     raise Decline(f"spec {spec.name} ({spec.source}) says embed.decoder_attr = "
@@ -147,11 +247,16 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
                     edits.append((h.cls, new_h))
                     imports |= more
                     eagle3_ready.add(h.cls.name.value)
+                    if h.wrapper is not None:
+                        wrapped = _share_embed(replace.get(id(h.wrapper), h.wrapper), h.wrapper_attr, new_dec,
+                                               _module_type(_module_names(module)))
+                        edits.append((h.wrapper, wrapped))
+                        replace[id(h.wrapper)] = wrapped
                 replace[id(dec)] = new_dec
                 for old, new in edits:
                     replace[id(old)] = new
                 needed |= imports
-                adapted_names += [name, *causal]
+                adapted_names += [name, *causal, *(h.wrapper.name.value for h in held if h.wrapper is not None)]
         except Decline as exc:
             status, reason = "declined", f"line {line_of(exc.node)}: {exc.reason}"
         outcomes.append(DecoderOutcome(name, status, "" if status == "adapted" else reason, causal, attr))
@@ -181,35 +286,69 @@ def _has_base(cls: cst.ClassDef, name: str) -> bool:
 
 
 def _holders(top: list[cst.ClassDef], decoder: str) -> list[_Holder]:
-    """Top-level classes that build ``decoder`` into ``self.<attr>`` (directly or via one of their methods)."""
+    """Top-level causal LMs that build ``decoder`` into ``self.<attr>`` (directly or via one of their
+    methods), or into ``self.<attr>.<inner>`` through one plain wrapper class of the file whose forward
+    only returns ``self.<inner>(...)`` (OPTForCausalLM.model -> OPTModel.decoder -> OPTDecoder)."""
     out = []
-    built = m.Call(func=m.Name(decoder))
     for cls in top:
         if cls.name.value == decoder or not _is_generative(cls):
             continue
-        own = methods(cls)
-        attrs = [cst.ensure_type(cst.ensure_type(a, cst.Assign).targets[0].target, cst.Attribute).attr.value
-                 for a in m.findall(cls, m.Assign(targets=[m.AssignTarget(self_attr())], value=built))]
-        if not attrs:
-            makers = {n for n, fn in own.items() if m.findall(fn, m.Return(built))}
-            via = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.OneOf(*(m.Name(n) for n in makers)))) if makers else None
-            if via is not None:
-                attrs = [cst.ensure_type(cst.ensure_type(a, cst.Assign).targets[0].target, cst.Attribute).attr.value
-                         for a in m.findall(cls, m.Assign(targets=[m.AssignTarget(self_attr())], value=via))]
-                if not attrs and "_init_model" in makers:  # vLLM's LlamaForCausalLM assigns self.model from it
-                    attrs = ["model"]
-        if not attrs:  # `model_cls = Decoder` on a subclass whose base builds self.model = self.model_cls(...)
-            body = cls.body.body if isinstance(cls.body, cst.IndentedBlock) else ()
-            refs = [cst.ensure_type(cst.ensure_type(s.body[0], cst.Assign).targets[0].target, cst.Name).value for s in body
-                    if m.matches(s, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Name(decoder))]))]
-            for ref in refs:
-                via_ref = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(ref)))
-                found = [cst.ensure_type(cst.ensure_type(a, cst.Assign).targets[0].target, cst.Attribute).attr.value
-                         for a in m.findall(cls, m.Assign(targets=[m.AssignTarget(self_attr())], value=via_ref))]
-                attrs += found or (["model"] if ref == "model_cls" else [])
+        attrs = _built_attrs(cls, decoder)
         if attrs:
             out.append(_Holder(cls, attrs[0]))
+            continue
+        for wrapper in top:
+            if wrapper is cls or wrapper.name.value == decoder or _is_generative(wrapper):
+                continue
+            inner = _built_attrs(wrapper, decoder)
+            outer = _built_attrs(cls, wrapper.name.value) if inner and _forwards_to(wrapper, inner[0]) else []
+            if outer:
+                out.append(_Holder(cls, f"{outer[0]}.{inner[0]}", wrapper, inner[0]))
+                break
     return out
+
+
+def _forwards_to(cls: cst.ClassDef, attr: str) -> bool:
+    """``forward`` is one ``return self.<attr>(...)`` (after a docstring): the wrapped decoder's result,
+    aux states included, is what the wrapper returns."""
+    forward = methods(cls).get("forward")
+    if forward is None or not isinstance(forward.body, cst.IndentedBlock):
+        return False
+    body = [s for s in forward.body.body if not is_docstring(s)]
+    return len(body) == 1 and m.matches(body[0], m.SimpleStatementLine(body=[m.Return(m.Call(func=self_attr(attr)))]))
+
+
+def _built_attrs(cls: cst.ClassDef, decoder: str) -> list[str]:
+    """Attributes ``self.<attr>`` that ``cls`` assigns a ``decoder(...)`` to: called by name, through an
+    ``__init__`` parameter defaulting to it (``model_type: type[X] = X``), a method returning one, or a
+    class attribute ``model_cls = decoder``."""
+    own = methods(cls)
+    init = own.get("__init__")
+    aliases = [decoder]
+    if init is not None:
+        p = init.params
+        aliases += [x.name.value for x in (*p.params, *p.kwonly_params) if m.matches(x.default, m.Name(decoder))]
+    built = m.Call(func=m.OneOf(*(m.Name(a) for a in aliases)))
+
+    def assigned(value: m.BaseMatcherNode) -> list[str]:
+        return [cst.ensure_type(cst.ensure_type(a, cst.Assign).targets[0].target, cst.Attribute).attr.value
+                for a in m.findall(cls, m.Assign(targets=[m.AssignTarget(self_attr())], value=value))]
+
+    attrs = assigned(built)
+    if not attrs:
+        makers = {n for n, fn in own.items() if m.findall(fn, m.Return(built))}
+        if makers:
+            attrs = assigned(m.Call(func=m.Attribute(value=m.Name("self"), attr=m.OneOf(*(m.Name(n) for n in makers)))))
+            if not attrs and "_init_model" in makers:  # vLLM's LlamaForCausalLM assigns self.model from it
+                attrs = ["model"]
+    if not attrs:  # `model_cls = Decoder` on a subclass whose base builds self.model = self.model_cls(...)
+        body = cls.body.body if isinstance(cls.body, cst.IndentedBlock) else ()
+        refs = [cst.ensure_type(cst.ensure_type(s.body[0], cst.Assign).targets[0].target, cst.Name).value for s in body
+                if m.matches(s, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Name(decoder))]))]
+        for ref in refs:
+            found = assigned(m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(ref))))
+            attrs += found or (["model"] if ref == "model_cls" else [])
+    return attrs
 
 
 def _is_generative(cls: cst.ClassDef) -> bool:
@@ -357,7 +496,8 @@ class _RewriteForward(cst.CSTTransformer):
         return updated_node
 
     def _residual(self, bound: bool = True) -> str:
-        return self.plan.residual if self.plan.residual is not None and bound else "None"
+        live = self.plan.residual is not None and bound and not self.plan.stale_residual
+        return self.plan.residual if live and self.plan.residual is not None else "None"
 
     def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode):  # type: ignore[no-untyped-def]
         if id(original_node) in self.remove:  # a placeholder that leave_IndentedBlock drops
@@ -403,7 +543,7 @@ class _RewriteForward(cst.CSTTransformer):
             ]
             # the stage's last id, captured on every rank before the hand-off, computed as the model's
             # own capture before a layer does (e.g. gathering sequence-parallel shards)
-            end = p.before_capture.with_changes(test=p.end_capture.test, leading_lines=[
+            end = _none_safe(p.before_capture, p.hidden, p.residual).with_changes(test=p.end_capture.test, leading_lines=[
                 cst.EmptyLine(indent=True, comment=cst.Comment("# the last id of this stage, on every rank")),
             ])
             return cst.FlattenSentinel([*prelude, updated_node.with_changes(leading_lines=()), end])
@@ -443,7 +583,8 @@ class _RewriteForward(cst.CSTTransformer):
         header = cst.ensure_type(cst.parse_statement(  # id start_layer is the first rank's (vLLM's layout)
             f"if {code_of(updated_node.test)} and (\n    {idx} != self.start_layer or get_pp_group().is_first_rank\n):\n"
             "    pass\n"), cst.If)
-        return updated_node.with_changes(test=header.test, whitespace_before_test=header.whitespace_before_test)
+        safe = _none_safe(updated_node, self.plan.hidden, self.plan.residual)
+        return safe.with_changes(test=header.test, whitespace_before_test=header.whitespace_before_test)
 
     def leave_Return(self, original_node: cst.Return, updated_node: cst.Return) -> cst.Return:
         if id(original_node) not in self.nonlast:
@@ -492,6 +633,43 @@ class _RewriteForward(cst.CSTTransformer):
             cst.parse_statement(f"return {value}\n"),
         ]
         return cst.FlattenSentinel(lines)
+
+
+def _none_safe(node: cst.If, hidden: str, residual: str | None) -> cst.If:
+    """The model's own capture with every ``hidden + residual`` made right when ``residual`` is None
+    (id ``start_layer`` on the first rank, where no layer has produced a residual yet)."""
+    if residual is None:
+        return node
+    return cst.ensure_type(node.visit(_NoneSafeAdd(hidden, residual)), cst.If)
+
+
+class _NoneSafeAdd(cst.CSTTransformer):
+    """``h + r`` -> ``(h if r is None else h + r)`` (also ``r + h``); a form already guarded stays."""
+
+    def __init__(self, hidden: str, residual: str) -> None:
+        self.pair = {hidden, residual}
+        self.residual = residual
+        self.guarded = 0
+
+    def visit_IfExp(self, node: cst.IfExp) -> None:
+        if m.matches(node.test, m.Comparison(left=m.Name(self.residual), comparisons=[m.ComparisonTarget(m.Is() | m.IsNot())])):
+            self.guarded += 1
+
+    def leave_IfExp(self, original_node: cst.IfExp, updated_node: cst.IfExp) -> cst.BaseExpression:
+        if m.matches(original_node.test, m.Comparison(left=m.Name(self.residual),
+                                                      comparisons=[m.ComparisonTarget(m.Is() | m.IsNot())])):
+            self.guarded -= 1
+        return updated_node
+
+    def leave_BinaryOperation(self, original_node: cst.BinaryOperation,
+                              updated_node: cst.BinaryOperation) -> cst.BaseExpression:
+        if self.guarded or not isinstance(updated_node.operator, cst.Add):
+            return updated_node
+        left, right = updated_node.left, updated_node.right
+        if not (isinstance(left, cst.Name) and isinstance(right, cst.Name) and {left.value, right.value} == self.pair):
+            return updated_node
+        hidden = left.value if left.value != self.residual else right.value
+        return cst.parse_expression(f"({hidden} if {self.residual} is None else {code_of_exact(updated_node)})")
 
 
 LINE = 88  # vLLM's line length (ruff format): generated lines longer than this are wrapped the way it would
@@ -603,6 +781,31 @@ def _adapt_holder(cls: cst.ClassDef, attr: str, layers_attr: str, bases_ready: b
         bases[-1] = bases[-1].with_changes(comma=old_last.comma)
     return cls.with_changes(bases=bases, lpar=cls.lpar or cst.LeftParen(), rpar=cls.rpar or cst.RightParen(),
                             body=cls.body.with_changes(body=body)), imports
+
+
+def _has_attr(cls: cst.ClassDef, name: str) -> bool:
+    """``cls`` binds ``self.<name>`` (assigned or annotated) or defines a method/property of that name."""
+    return name in methods(cls) or bool(m.findall(cls, m.AssignTarget(self_attr(name)) | m.AnnAssign(target=self_attr(name))))
+
+
+def _share_embed(wrapper: cst.ClassDef, inner: str, decoder: cst.ClassDef, module_type: str) -> cst.ClassDef:
+    """The wrapper between a causal LM and its decoder (OPTModel) is what vLLM's drafter reads as
+    ``target.model``: give it the decoder's input embedding as ``embed_tokens``, a property, so the module
+    is not registered twice (that would break weight loading)."""
+    if any(_has_attr(wrapper, n) for n in DRAFTER_EMBEDS):
+        return wrapper
+    embed = next((n for n in DRAFTER_EMBEDS if _has_attr(decoder, n)), None)
+    if embed is None:
+        return wrapper
+    prop = cst.parse_statement(
+        "@property\n"
+        f"def embed_tokens(self) -> {module_type}:\n"
+        "    # vLLM's EAGLE drafter shares the target's input embedding as .model.embed_tokens\n"
+        f"    return self.{inner}.{embed}\n").with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+    body = list(cst.ensure_type(wrapper.body, cst.IndentedBlock).body)
+    at = next((i for i, st in enumerate(body) if isinstance(st, cst.FunctionDef) and st.name.value == "forward"), len(body))
+    body.insert(at, prop)
+    return wrapper.with_changes(body=wrapper.body.with_changes(body=body))
 
 
 class _SetterFix(cst.CSTTransformer):

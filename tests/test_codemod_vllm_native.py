@@ -41,6 +41,12 @@ def label(name: str) -> str:
     return f"vllm/model_executor/models/{name}.py (vllm 0.32.0)"
 
 
+def fixture_module(dotted: str) -> str | None:
+    """What a fixture imports from a sibling fixture (qwen3_vl_moe's decoder subclasses qwen3_moe's)."""
+    path = FIXTURES / f"{dotted.rsplit('.', 1)[-1]}.py"
+    return path.read_text() if path.is_file() else None
+
+
 def adapt(code: str, **kwargs: object):  # type: ignore[no-untyped-def]
     return adapt_vllm_module(textwrap.dedent(code), label="toy.py", **kwargs)  # type: ignore[arg-type]
 
@@ -50,7 +56,7 @@ def adapt(code: str, **kwargs: object):  # type: ignore[no-untyped-def]
 def test_golden_fixture_output_is_the_committed_file(name: str) -> None:
     """Each real vLLM file adapts to its committed output byte for byte, with the outcome it covers."""
     source = (FIXTURES / f"{name}.py").read_text()
-    result = adapt_vllm_module(source, label=label(name))
+    result = adapt_vllm_module(source, label=label(name), read_module=fixture_module)
     assert result.code == (FIXTURES / "expected" / f"{name}.py").read_text()
     (outcome,) = result.decoders
     assert (outcome.class_name, outcome.status, outcome.causal_lm, outcome.decoder_attr) == GOLDEN[name]
@@ -62,7 +68,7 @@ def test_golden_fixture_output_is_the_committed_file(name: str) -> None:
 def test_output_is_a_fixed_point(name: str) -> None:
     """T(T(x)) == T(x): every output comes back byte-identical and "unchanged"."""
     adapted = (FIXTURES / "expected" / f"{name}.py").read_text()
-    again = adapt_vllm_module(adapted, label=label(name))
+    again = adapt_vllm_module(adapted, label=label(name), read_module=fixture_module)
     assert again.code == adapted and [d.status for d in again.decoders] == ["unchanged"]
 
 
@@ -121,12 +127,27 @@ HEAD = """\
                 hidden_states = intermediate_tensors["hidden_states"]
                 residual = intermediate_tensors["residual"]
 """
+LAYERS = """
+        def __init__(self, *, vllm_config, prefix=""):
+            super().__init__()
+            self.start_layer, self.end_layer, self.layers = make_layers(4, lambda prefix: ToyLayer(prefix), prefix)
+
+
+    class ToyLayer(nn.Module):
+        def forward(self, positions, hidden_states, residual):
+            if residual is None:  # the fused add-norm form: the stream is hidden_states + residual
+                residual = hidden_states
+                hidden_states = self.input_layernorm(hidden_states)
+            else:
+                hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            return self.mlp(hidden_states), residual
+"""
 TAIL = """\
             if not get_pp_group().is_last_rank:
                 return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
             hidden_states, _ = self.norm(hidden_states, residual)
             return hidden_states
-
+""" + LAYERS + """
 
     class ToyForCausalLM(nn.Module, SupportsPP):
         def __init__(self, *, vllm_config, prefix=""):
@@ -199,7 +220,7 @@ def test_plain_islice_loop_before_after() -> None:
             if len(aux_hidden_states) > 0:
                 return hidden_states, aux_hidden_states
             return hidden_states
-
+''' + LAYERS + '''
 
     class ToyForCausalLM(nn.Module, SupportsPP, SupportsEagle3):
         def __init__(self, *, vllm_config, prefix=""):
@@ -277,7 +298,7 @@ def test_pp1_only_capture_and_direct_setter_are_rewritten() -> None:
             if len(aux_hidden_states) > 0:
                 return hidden_states, aux_hidden_states
             return hidden_states
-
+""" + LAYERS + """
 
     class ToyForCausalLM(nn.Module, SupportsPP, SupportsEagle3):
         def __init__(self, *, vllm_config, prefix=""):
@@ -402,7 +423,7 @@ def test_file_without_a_pp_decoder_is_a_usage_error() -> None:
 def test_unknown_class_lists_the_classes_present() -> None:
     code = textwrap.dedent(HEAD + "            for layer in islice(self.layers, self.start_layer, self.end_layer):\n"
                            "                hidden_states, residual = layer(hidden_states, residual)\n" + TAIL)
-    with pytest.raises(UsageError, match=r"no top-level class 'Nope' \(classes here: ToyModel, ToyForCausalLM\)"):
+    with pytest.raises(UsageError, match=r"no top-level class 'Nope' \(classes here: ToyModel, ToyLayer, ToyForCausalLM\)"):
         adapt_vllm_module(code, label="toy.py", classes=["Nope"])
     assert [d.class_name for d in adapt_vllm_module(code, label="toy.py", classes=["ToyForCausalLM"]).decoders] == ["ToyModel"]
 
@@ -502,7 +523,14 @@ def test_models_own_capture_before_each_layer_is_kept_and_made_per_stage() -> No
     code = result.code
     assert ("            if idx in self.aux_hidden_state_layers and (\n"
             "                idx != self.start_layer or get_pp_group().is_first_rank\n            ):\n") in code
-    end = code.index("        if self.end_layer in self.aux_hidden_state_layers:\n            value = hidden_states + residual\n")
+    # id start_layer on the first rank is captured before any layer made a residual: `hidden + residual`
+    # would add None there (DeepSeek-V2's TypeError); what is kept is right whatever residual is
+    safe = "value = (hidden_states if residual is None else hidden_states + residual)\n"
+    assert "value = hidden_states + residual" not in code and code.count(safe) == 2
+    expr = safe.split(" = ", 1)[1]
+    assert eval(expr, {}, {"hidden_states": 3, "residual": None}) == 3  # noqa: S307 - our own generated expression
+    assert eval(expr, {}, {"hidden_states": 3, "residual": 4}) == 7  # noqa: S307
+    end = code.index("        if self.end_layer in self.aux_hidden_state_layers:\n            " + safe)
     assert end < code.index("        if not get_pp_group().is_last_rank:")
     assert code.count("self.end_layer in self.aux_hidden_state_layers") == 1
     assert "_maybe_add_hidden_state" not in code  # the model's own capture is the only one
@@ -523,3 +551,120 @@ def test_models_own_value_after_each_layer_is_kept() -> None:
     assert "_maybe_add_hidden_state" not in code and "remote_aux = self.collect_remote_aux_hidden_states" in code
     assert "**self.pack_local_aux_hidden_states(aux_hidden_states)," in code
     assert "aux_hidden_states = remote_aux + aux_hidden_states" in code
+
+
+# ---------------------------------------------------------------------------------- stale residual
+POST_NORM_LAYER = '''
+    class ToyLayer(nn.Module):
+        def forward(self, positions, hidden_states, residual):
+            # post-norm / parallel block (Exaone4, Cohere): the incoming residual is not read
+            residual = hidden_states
+            hidden_states = residual + self.mlp(self.input_layernorm(hidden_states))
+            return hidden_states, residual
+'''
+_LOOP = ("            for layer in islice(self.layers, self.start_layer, self.end_layer):\n"
+         "                hidden_states, residual = layer(positions, hidden_states, residual)\n")
+
+
+def _toy_with_layer(layer: str) -> str:
+    tail = TAIL.replace(LAYERS[LAYERS.index("\n\n    class ToyLayer"):], layer)
+    assert tail != TAIL
+    return HEAD + _LOOP + tail
+
+
+def test_a_layer_that_rebinds_its_residual_is_captured_without_it() -> None:
+    """Exaone4 / HyperCLOVAX / PhiMoE / Cohere: the layer starts with `residual = hidden_states`, so the
+    residual it returns is stale and the stream at a layer boundary is the hidden states alone (the zoo
+    measured aux ids off by up to 7.0 when it was added)."""
+    code = adapt(_toy_with_layer(POST_NORM_LAYER)).code
+    assert code.count("aux_hidden_states, idx + 1, hidden_states, None\n") == 1
+    assert "aux_hidden_states, self.start_layer, hidden_states, None\n" in code
+    assert '"residual": residual,' in code or '"residual": residual, **' in code  # what is sent stays as it was
+    fused = adapt(HEAD + _LOOP + TAIL).code  # the fused add-norm layer reads it: the residual is added
+    assert "aux_hidden_states, idx + 1, hidden_states, residual\n" in fused
+
+
+def test_layer_class_through_init_default_and_base_class() -> None:
+    """The layer class is found through an `__init__` parameter's default and a layer subclass without
+    its own forward (its base's forward decides)."""
+    layer = POST_NORM_LAYER.replace("class ToyLayer(nn.Module):", "class BaseLayer(nn.Module):") + \
+        "\n\n    class ToyLayer(BaseLayer):\n        pass\n"
+    source = _toy_with_layer(layer).replace(
+        'def __init__(self, *, vllm_config, prefix=""):\n            super().__init__()\n'
+        '            self.start_layer, self.end_layer, self.layers = make_layers(4, lambda prefix: ToyLayer(prefix), prefix)',
+        'def __init__(self, *, vllm_config, prefix="", layer_type=ToyLayer):\n            super().__init__()\n'
+        '            self.start_layer, self.end_layer, self.layers = make_layers(4, lambda prefix: layer_type(prefix), prefix)')
+    assert "layer_type=ToyLayer" in source
+    assert "idx + 1, hidden_states, None\n" in adapt(source).code
+
+
+def test_layer_class_in_an_imported_module_is_read_through_read_module() -> None:
+    """A layer class imported from a sibling is read there; without a reader the decoder is declined, not
+    guessed."""
+    source = _toy_with_layer("\n").replace("    from .interfaces import SupportsPP\n",
+                                           "    from .interfaces import SupportsPP\n    from .toy_layers import ToyLayer\n")
+    sibling = "from torch import nn\n\n" + textwrap.dedent(POST_NORM_LAYER)
+    read = {"toy_layers": sibling}.get
+    assert "idx + 1, hidden_states, None\n" in adapt(source, read_module=read).code
+    (outcome,) = adapt(source, read_module=lambda dotted: None).decoders
+    assert outcome.status == "declined"
+    assert outcome.reason.startswith("line 22: the layer classes of self.layers cannot be found from the source "
+                                     "(built by `make_layers(4, lambda prefix: ToyLayer(prefix), prefix)`)")
+
+
+def test_layer_classes_that_disagree_are_declined() -> None:
+    """Molmo's shape: the config picks a pre-norm layer (reads the residual) or a norm-after one (rebinds it)."""
+    both = POST_NORM_LAYER.replace("class ToyLayer", "class NormAfterLayer") + \
+        LAYERS[LAYERS.index("\n\n    class ToyLayer"):]
+    source = _toy_with_layer(both).replace(
+        "            self.start_layer, self.end_layer, self.layers = make_layers(",
+        "            layer_cls = NormAfterLayer if self.norm_after else ToyLayer\n"
+        "            self.start_layer, self.end_layer, self.layers = make_layers(").replace(
+        "lambda prefix: ToyLayer(prefix)", "lambda prefix: layer_cls(prefix)")
+    (outcome,) = adapt(source).decoders
+    assert outcome.status == "declined" and "the layer classes disagree on the residual: ToyLayer read it, " \
+        "NormAfterLayer rebind it before reading it" in outcome.reason
+
+
+# ---------------------------------------------------------------------------------- holders
+def test_decoder_built_through_an_init_parameter_default_gets_eagle3_on_its_holder() -> None:
+    """InternLM2ForCausalLM builds `self.model = model_type(...)` with `model_type=InternLM2Model`."""
+    source = (HEAD + _LOOP + TAIL).replace(
+        'class ToyForCausalLM(nn.Module, SupportsPP):\n        def __init__(self, *, vllm_config, prefix=""):\n'
+        '            super().__init__()\n            self.model = ToyModel(vllm_config=vllm_config, prefix=prefix)',
+        'class ToyForCausalLM(nn.Module, SupportsPP):\n        def __init__(self, *, vllm_config, prefix="", model_type=ToyModel):\n'
+        '            super().__init__()\n            self.model = model_type(vllm_config=vllm_config, prefix=prefix)')
+    assert "model_type=ToyModel" in source
+    result = adapt(source)
+    assert [(d.causal_lm, d.decoder_attr) for d in result.decoders] == [(("ToyForCausalLM",), "model")]
+    assert "class ToyForCausalLM(nn.Module, SupportsPP, SupportsEagle3):" in result.code
+
+
+def test_decoder_under_a_wrapper_is_reached_through_it() -> None:
+    """OPT: OPTForCausalLM.model is an OPTModel whose .decoder is the PP decoder. The causal LM gets
+    SupportsEagle3 and the two methods through `model.decoder`; the wrapper gets `embed_tokens` as a
+    property (vLLM's drafter reads target.model.embed_tokens), so no module is registered twice."""
+    source = (HEAD + _LOOP + TAIL).replace(
+        'class ToyForCausalLM(nn.Module, SupportsPP):\n        def __init__(self, *, vllm_config, prefix=""):\n'
+        '            super().__init__()\n            self.model = ToyModel(vllm_config=vllm_config, prefix=prefix)',
+        'class ToyWrapper(nn.Module):\n        def __init__(self, *, vllm_config, prefix=""):\n'
+        '            super().__init__()\n            self.decoder = ToyModel(vllm_config=vllm_config, prefix=prefix)\n\n'
+        '        def forward(self, input_ids, positions, intermediate_tensors, inputs_embeds=None):\n'
+        '            return self.decoder(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)\n\n\n'
+        '    class ToyForCausalLM(nn.Module, SupportsPP):\n        def __init__(self, *, vllm_config, prefix=""):\n'
+        '            super().__init__()\n            self.model = ToyWrapper(vllm_config=vllm_config, prefix=prefix)')
+    source = source.replace("                hidden_states = self.embed_tokens(input_ids)\n",
+                            "                hidden_states = self.embed_tokens(input_ids)\n", 1)
+    result = adapt(source.replace('super().__init__()\n            self.start_layer',
+                                  'super().__init__()\n            self.embed_tokens = VocabParallelEmbedding(8, 4)\n'
+                                  '            self.start_layer'))
+    (outcome,) = result.decoders
+    assert (outcome.status, outcome.causal_lm, outcome.decoder_attr) == ("adapted", ("ToyForCausalLM",), "model.decoder")
+    code = result.code
+    assert "class ToyForCausalLM(nn.Module, SupportsPP, SupportsEagle3):" in code
+    assert "        self.model.decoder._set_aux_hidden_state_layers(layers)\n" in code
+    assert "        num_layers = len(self.model.decoder.layers)\n" in code
+    wrapper = code[code.index("class ToyWrapper"):code.index("class ToyForCausalLM")]
+    assert "    @property\n    def embed_tokens(self) -> nn.Module:\n" in wrapper
+    assert "        return self.decoder.embed_tokens\n" in wrapper
+    assert adapt_vllm_module(code, label="toy.py").code == code
