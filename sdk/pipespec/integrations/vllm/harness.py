@@ -243,12 +243,14 @@ def _register(job: Job) -> None:
 def _vllm_config_for(job: Job) -> Any:
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig
 
+    from pipespec.integrations.vllm.tiny import TOWERS_BUILT
+
     model_config = ModelConfig(
         model=_model_dir(job), dtype="float32", skip_tokenizer_init=True, enforce_eager=True, seed=0,
         trust_remote_code=False,
         # vLLM's own text-only mode: a multimodal model's vision/audio towers are not built (the aux
         # states come from its language model alone), so a tower sized in code stays off the heap
-        language_model_only=True,
+        language_model_only=job.architecture not in TOWERS_BUILT,
     )
     return VllmConfig(
         model_config=model_config, device_config=DeviceConfig("cpu"), load_config=LoadConfig(load_format="dummy")

@@ -22,7 +22,7 @@ import os
 from functools import cache
 from typing import Any
 
-__all__ = ["ARCH_FIXES", "CONSTRUCTOR_FIXES", "GENERIC_REMOTE", "REMOTE_MODEL_TYPES", "SIZE_LIMITS", "TinyConfigError", "architectures_of", "check_tiny",
+__all__ = ["ARCH_FIXES", "CONSTRUCTOR_FIXES", "GENERIC_REMOTE", "REMOTE_MODEL_TYPES", "SIZE_LIMITS", "TOWERS_BUILT", "TinyConfigError", "architectures_of", "check_tiny",
            "model_type_of", "tiny_vllm_config", "write_model_dir"]
 
 #: Fields of the generic config used for architectures whose config class neither transformers nor vLLM
@@ -92,6 +92,16 @@ ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
          "im_patch_id": 250},
         "remote-code config: text and vision expert lists, MoE layer span, 3-D rope split, a tiny vision "
         "sub-config (the tower itself is not built: language_model_only)"),
+    "MossAudioModel": (
+        {"audio_config": {"d_model": 32, "output_dim": 32, "num_mel_bins": 16, "encoder_layers": 2,
+                          "encoder_attention_heads": 2, "encoder_ffn_dim": 64, "downsample_rate": 8,
+                          "downsample_hidden_size": 8, "encoder_attention_window_size": 4,
+                          "max_source_positions": 64, "n_window": 4, "conv_chunksize": 4,
+                          "deepstack_encoder_layer_indexes": [0, 1]},
+         "language_config": {k: v for k, v in GENERIC_REMOTE.items() if k != "rope_parameters"},
+         "adapter_hidden_size": 64, "deepstack_num_inject_layers": 2},
+        "remote-code config: a tiny audio encoder (vLLM's text-only mode cannot skip it: its constructor "
+        "calls .item() on the meta device), a Qwen3 language config, the adapter width"),
     "Glm4MoeForCausalLM": ({"head_dim": 16}, "vLLM reads config.head_dim, which transformers' Glm4MoeConfig derives"),
     "AfmoeForCausalLM": ({"score_func": "softmax", "route_norm": True, "n_group": 1, "topk_group": 1},
                          "vLLM reads the router's remote-code fields (score_func, route_norm, groups)"),
@@ -321,6 +331,9 @@ REMOTE_MODEL_TYPES = {"DeciLMForCausalLM": "nemotron-nas",
                       # transformers' Ernie4_5_VLMoeConfig has other fields (one int per expert kind) than the
                       # remote-code config vLLM's ernie45_vl reads (lists over text and vision experts)
                       "Ernie4_5_VLMoeForConditionalGeneration": "ernie4_5_moe_vl"}
+#: Architectures built with their towers (vLLM's ``language_model_only`` breaks them), and why.
+TOWERS_BUILT = {"MossAudioModel": "vLLM's text-only mode builds its audio encoder on the meta device, where "
+                "the encoder's constructor calls .item()"}
 #: Remote-code config fields whose items the model code reads by attribute (``block_config.ffn.no_op``):
 #: the remote config class parses them into objects; here they become ``_Attrs`` (still JSON dicts).
 _ATTRIBUTE_FIELDS = ("block_configs", "vit_config", "adapter_config", "vision_config")
