@@ -24,7 +24,7 @@ from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
 VLLM = Path(vllm.__file__).parent
 MODELS = VLLM / "model_executor" / "models"
 # file -> decoder; the holders come from the codemod's own outcome
-FILES = ["gemma2", "gpt2", "qwen3_moe", "solar", "step1", "stablelm", "granite", "olmoe"]
+FILES = ["gemma2", "gpt2", "qwen3_moe", "solar", "step1", "stablelm", "granite", "olmoe", "internlm2", "opt", "exaone4"]
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -59,8 +59,11 @@ def test_adapted_module_imports_and_passes_vllms_checks(name: str, tmp_path: Pat
             for holder_name in outcome.causal_lm:
                 holder = getattr(module, holder_name)
                 assert supports_eagle3(holder), holder_name
-                if outcome.decoder_attr != "model":  # vLLM's drafter reads target.model.embed_tokens
-                    assert isinstance(holder.__dict__["model"], property)
+                if outcome.decoder_attr not in ("model", None) and "." not in outcome.decoder_attr:
+                    assert isinstance(holder.__dict__["model"], property)  # vLLM's drafter reads target.model
+                if outcome.decoder_attr is not None and "." in outcome.decoder_attr:  # OPT: model.decoder
+                    assert {"set_aux_hidden_state_layers", "get_eagle3_default_aux_hidden_state_layers"} <= set(
+                        holder.__dict__), holder_name
             source = (MODELS / f"{name}.py").read_text()
             if "self.embed_tokens =" not in source and "self.embedding =" not in source:  # e.g. GPT-2's wte
                 assert isinstance(decoder.__dict__.get("embed_tokens"), property)
@@ -107,3 +110,18 @@ def test_deepseek_v2_adapted_imports_in_a_process_of_its_own(tmp_path: Path) -> 
     path.write_text(result.code)
     proc = subprocess.run([sys.executable, "-c", SUBPROCESS, str(path)], capture_output=True, text=True, timeout=450)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+def test_opt_wrapper_shares_the_embedding_without_registering_it_twice(tmp_path: Path) -> None:
+    """OPTForCausalLM.model is an OPTModel around the PP decoder: vLLM's drafter reads
+    target.model.embed_tokens, which the wrapper gets as a property (not a second registered module)."""
+    result = adapt_vllm_module((MODELS / "opt.py").read_text(), label="vllm/model_executor/models/opt.py")
+    path = tmp_path / "opt_pipespec.py"
+    path.write_text(result.code)
+    module = load_as("vllm.model_executor.models.opt_pipespec", path)
+    try:
+        assert isinstance(module.OPTModel.__dict__.get("embed_tokens"), property)
+        assert supports_eagle3(module.OPTForCausalLM)
+        assert "embed_tokens" not in importlib.import_module("vllm.model_executor.models.opt").OPTModel.__dict__
+    finally:
+        sys.modules.pop("vllm.model_executor.models.opt_pipespec", None)
