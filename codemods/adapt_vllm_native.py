@@ -24,6 +24,7 @@ executes the code it reads.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 from collections.abc import Callable, Sequence
@@ -130,7 +131,14 @@ class _ClassIndex:
         self.cache: dict[str, cst.Module | None] = cache if cache is not None else {}
         self.classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
         self.imports: dict[str, tuple[str, str]] = {}  # local name -> (module, its name there)
+        self.tables: dict[str, list[str]] = {}  # NAME = {key: Class, ...} at module level
         for stmt in module.body:
+            if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Dict())])):
+                assign = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.Assign)
+                values = [e.value for e in cst.ensure_type(assign.value, cst.Dict).elements if isinstance(e, cst.DictElement)]
+                if values and all(isinstance(v, cst.Name) for v in values):
+                    name = cst.ensure_type(assign.targets[0].target, cst.Name).value
+                    self.tables[name] = [cst.ensure_type(v, cst.Name).value for v in values]
             if not m.matches(stmt, m.SimpleStatementLine(body=[m.ImportFrom()])):
                 continue
             imp = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.ImportFrom)
@@ -144,12 +152,15 @@ class _ClassIndex:
                 if isinstance(local, cst.Name):
                     self.imports[local.value] = (dotted, alias.evaluated_name)
 
-    def lookup(self, name: str, context: cst.ClassDef | None = None) -> tuple[cst.ClassDef, ClassLookup] | None:
-        """The class ``name`` means here, and the lookup that applies inside its own module."""
+    def lookup(self, name: str, context: cst.ClassDef | None = None) -> list[tuple[cst.ClassDef, ClassLookup]]:
+        """The class(es) ``name`` means here, each with the lookup that applies inside its own module."""
         if name in self.classes:
-            return self.classes[name], self.lookup
+            return [(self.classes[name], self.lookup)]
+        if name in self.tables:
+            found = [self.lookup(v) for v in dict.fromkeys(self.tables[name])]
+            return [x for f in found for x in f] if all(len(f) == 1 for f in found) else []
         if name not in self.imports:
-            return None
+            return []
         dotted, there = self.imports[name]
         if dotted not in self.cache:
             source = self.read(dotted)
@@ -159,7 +170,7 @@ class _ClassIndex:
                 self.cache[dotted] = None
         parsed = self.cache[dotted]
         if parsed is None:
-            return None
+            return []
         if dotted.startswith("vllm."):  # its relative imports are relative to its own package
             package = dotted.rsplit(".", 1)[0]
             read = self.read
@@ -196,6 +207,15 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
         out = adapt_vllm_module(Path("gemma2.py").read_text(), label="gemma2.py")
         [(d.class_name, d.status) for d in out.decoders]   # [("Gemma2Model", "adapted")]
     """
+    if "intermediate_tensors" not in code:  # no forward can take it: skip libcst's (slow) parse
+        try:
+            tree = ast.parse(code)
+        except SyntaxError:
+            pass  # libcst's parse below words the error
+        else:
+            present = ", ".join(s.name for s in tree.body if isinstance(s, ast.ClassDef)) or "none"
+            raise UsageError(f"{label}: no PP decoder here ({PP_DECODER}; classes here: {present}); "
+                             "pass a vLLM model file with one")
     try:
         module = cst.parse_module(code)
     except cst.ParserSyntaxError as exc:
@@ -290,18 +310,21 @@ def _holders(top: list[cst.ClassDef], decoder: str) -> list[_Holder]:
     methods), or into ``self.<attr>.<inner>`` through one plain wrapper class of the file whose forward
     only returns ``self.<inner>(...)`` (OPTForCausalLM.model -> OPTModel.decoder -> OPTDecoder)."""
     out = []
+    mentions = [c for c in top if c.name.value != decoder and decoder in names_in(c)]  # one walk per class
+    wrappers = [(w, inner[0]) for w in mentions if not _is_generative(w)
+                for inner in [_built_attrs(w, decoder)] if inner and _forwards_to(w, inner[0])]
     for cls in top:
         if cls.name.value == decoder or not _is_generative(cls):
             continue
-        attrs = _built_attrs(cls, decoder)
+        attrs = _built_attrs(cls, decoder) if any(cls is c for c in mentions) else []
         if attrs:
             out.append(_Holder(cls, attrs[0]))
             continue
-        for wrapper in top:
-            if wrapper is cls or wrapper.name.value == decoder or _is_generative(wrapper):
+        for wrapper, inner_attr in wrappers:
+            if wrapper is cls:
                 continue
-            inner = _built_attrs(wrapper, decoder)
-            outer = _built_attrs(cls, wrapper.name.value) if inner and _forwards_to(wrapper, inner[0]) else []
+            inner = [inner_attr]
+            outer = _built_attrs(cls, wrapper.name.value)
             if outer:
                 out.append(_Holder(cls, f"{outer[0]}.{inner[0]}", wrapper, inner[0]))
                 break

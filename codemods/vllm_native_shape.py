@@ -15,6 +15,7 @@ the node it is about (the caller turns the node into a line). Pure libcst; impor
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -631,9 +632,11 @@ def _loop_jumps(loop: cst.For) -> list[cst.CSTNode]:
 
 
 # ------------------------------------------------------------------ does a layer read the residual?
-_NOT_LAYERS = frozenset({"make_layers", "maybe_prefix", "extract_layer_index", "range", "len", "enumerate", "getattr",
-                         "int", "str", "isinstance", "PPMissingLayer", "super", "dict", "list", "tuple"})
-ClassLookup = Callable[[str, "cst.ClassDef | None"], "tuple[cst.ClassDef, ClassLookup] | None"]
+_NOT_LAYERS = frozenset({"make_layers", "maybe_prefix", "extract_layer_index", "PPMissingLayer", *dir(builtins)})
+# name, the class whose module sees it -> the classes it means there (one; several for a module-level
+# table such as Jamba's ALL_DECODER_LAYER_TYPES = {"attention": A, "mamba": B}), each with the lookup of
+# its own module; [] where the source does not say
+ClassLookup = Callable[[str, "cst.ClassDef | None"], "list[tuple[cst.ClassDef, ClassLookup]]"]
 
 
 def residual_read(cls: cst.ClassDef, plan: ForwardPlan, lookup: ClassLookup) -> bool:
@@ -685,7 +688,8 @@ def _forward_reads(layer: cst.ClassDef, lookup: ClassLookup, slot: int | str, re
         bases = [a.value for a in layer.bases if a.keyword is None and isinstance(a.value, cst.Name)]
         nxt = None
         for base in bases:
-            nxt = lookup(base.value, layer)
+            hits = lookup(base.value, layer)
+            nxt = hits[0] if len(hits) == 1 else None
             if nxt is not None:
                 break
         seen += 1
@@ -754,11 +758,11 @@ def _layer_classes(cls: cst.ClassDef, attr: str, lookup: ClassLookup
                 default = defaults.get(name)
                 ref = default.value if isinstance(default, cst.Name) else name
                 found = own_lookup(ref, owner)
-                if found is not None:
-                    passed[arg.keyword.value] = found
+                if len(found) == 1:
+                    passed[arg.keyword.value] = found[0]
             overrides = passed
         bases = [a.value for a in owner.bases if a.keyword is None and isinstance(a.value, cst.Name)]
-        nxt = next((x for x in (own_lookup(b.value, owner) for b in bases) if x is not None), None)
+        nxt = next((x[0] for x in (own_lookup(b.value, owner) for b in bases) if len(x) == 1), None)
         if nxt is None:
             return init.name if init is not None else cls.name
         owner, own_lookup = nxt
@@ -783,15 +787,20 @@ def _layer_classes(cls: cst.ClassDef, attr: str, lookup: ClassLookup
             return isinstance(d, cst.Name) and resolve(d.value, depth + 1)
         if name in locals_:
             return scan(locals_[name].body, depth + 1)
-        if name in assigned:
-            names = {n.value for n in m.findall(assigned[name], m.Name()) if isinstance(n, cst.Name)}
-            picked = [n for n in names if n[:1].isupper() or n in defaults or n in locals_]
-            return bool(picked) and all(resolve(n, depth + 1) for n in picked)
+        if name in assigned:  # `layer_class = A if c else B`, `= TABLE[key]`, `= types or TABLE`, `= types[key]`
+            names = {n.value for n in m.findall(assigned[name], m.Name()) if isinstance(n, cst.Name)} - {name}
+            none_default = {n for n, d in defaults.items() if m.matches(d, m.Name("None"))}
+            upper = [n for n in names if n[:1].isupper() and n not in ("None", "True", "False")]
+            chained = [n for n in names - set(upper) - none_default if n in assigned or n in locals_ or n in defaults]
+            if not all(resolve(n, depth + 1) for n in upper):
+                return False
+            got = bool(upper)
+            for n in chained:
+                got = resolve(n, depth + 1) or got
+            return got
         found = own_lookup(name, owner)
-        if found is None:
-            return False
-        out.append(found)
-        return True
+        out.extend(found)
+        return bool(found)
 
     def scan(node: cst.CSTNode, depth: int) -> bool:
         ok = False

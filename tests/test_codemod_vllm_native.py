@@ -668,3 +668,27 @@ def test_decoder_under_a_wrapper_is_reached_through_it() -> None:
     assert "    @property\n    def embed_tokens(self) -> nn.Module:\n" in wrapper
     assert "        return self.decoder.embed_tokens\n" in wrapper
     assert adapt_vllm_module(code, label="toy.py").code == code
+
+
+def test_layer_classes_from_a_module_level_table() -> None:
+    """Jamba / Nemotron-H: `get_layer` picks `ALL_DECODER_LAYER_TYPES[config.kind[i]]` (a module-level
+    dict of classes), possibly through `decoder_layer_types or ALL_DECODER_LAYER_TYPES`; every class
+    in the table is read."""
+    table = POST_NORM_LAYER.replace("class ToyLayer", "class OtherLayer") + \
+        LAYERS[LAYERS.index("\n\n    class ToyLayer"):].replace("class ToyLayer", "class ToyLayer") + \
+        '\n\n    ALL_DECODER_LAYER_TYPES = {"a": ToyLayer, "b": OtherLayer}\n'
+    init = ("            layer_types = decoder_layer_types or ALL_DECODER_LAYER_TYPES\n\n"
+            "            def get_layer(prefix):\n"
+            "                if prefix not in self.kinds:\n                    raise ValueError(prefix)\n"
+            "                layer_class = layer_types[self.kinds[prefix]]\n"
+            "                return layer_class(prefix)\n\n"
+            "            self.start_layer, self.end_layer, self.layers = make_layers(4, get_layer, prefix)")
+    source = _toy_with_layer(table).replace(
+        'def __init__(self, *, vllm_config, prefix=""):\n            super().__init__()\n'
+        '            self.start_layer, self.end_layer, self.layers = make_layers(4, lambda prefix: ToyLayer(prefix), prefix)',
+        'def __init__(self, *, vllm_config, prefix="", decoder_layer_types=None):\n            super().__init__()\n' + init)
+    assert "get_layer" in source
+    (outcome,) = adapt(source).decoders  # ToyLayer reads the residual, OtherLayer rebinds it: they disagree
+    assert outcome.status == "declined" and "ToyLayer read it, OtherLayer rebind it" in outcome.reason
+    same = source.replace('{"a": ToyLayer, "b": OtherLayer}', '{"a": ToyLayer, "b": ToyLayer}')
+    assert "idx + 1, hidden_states, residual\n" in adapt(same).code
