@@ -694,7 +694,7 @@ def _forward_reads(layer: cst.ClassDef, lookup: ClassLookup, slot: int | str, re
                 break
         seen += 1
         if nxt is None or seen > 5:
-            raise Decline(f"{layer.name.value} defines no forward and its bases' cannot be found from the source, so "
+            raise Decline(f"{layer.name.value} defines no forward and its bases cannot be found from the source, so "
                           "whether a layer reads the residual cannot be told", call)
         layer, lookup = nxt
     fn = methods(layer)["forward"]
@@ -788,7 +788,7 @@ def _layer_classes(cls: cst.ClassDef, attr: str, lookup: ClassLookup
         if name in locals_:
             return scan(locals_[name].body, depth + 1)
         if name in assigned:  # `layer_class = A if c else B`, `= TABLE[key]`, `= types or TABLE`, `= types[key]`
-            names = {n.value for n in m.findall(assigned[name], m.Name()) if isinstance(n, cst.Name)} - {name}
+            names = _class_refs(assigned[name]) - {name}
             none_default = {n for n, d in defaults.items() if m.matches(d, m.Name("None"))}
             upper = [n for n in names if n[:1].isupper() and n not in ("None", "True", "False")]
             chained = [n for n in names - set(upper) - none_default if n in assigned or n in locals_ or n in defaults]
@@ -840,3 +840,17 @@ def _class_attr(cls: cst.ClassDef, name: str) -> cst.BaseExpression | None:
             if isinstance(small, cst.AnnAssign) and m.matches(small.target, m.Name(name)):
                 return small.value
     return None
+
+
+def _class_refs(expr: cst.BaseExpression) -> set[str]:
+    """Names in the positions where an expression's value *is* that name: ``A``, ``A if c else B``,
+    ``x or A``, ``A[key]`` (a table of classes); not call arguments, annotations or attribute bases."""
+    if isinstance(expr, cst.Name):
+        return {expr.value}
+    if isinstance(expr, cst.IfExp):
+        return _class_refs(expr.body) | _class_refs(expr.orelse)
+    if isinstance(expr, cst.BooleanOperation):
+        return _class_refs(expr.left) | _class_refs(expr.right)
+    if isinstance(expr, cst.Subscript):
+        return _class_refs(expr.value)
+    return set()
