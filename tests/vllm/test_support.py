@@ -28,6 +28,7 @@ def test_mistral_delegating_forward_keeps_llama_support() -> None:
     verdict = judge_decoder_class(MistralModel)
     assert verdict.supported and verdict.supported_by == "LlamaModel"
     assert decoder_class_of(MistralForCausalLM) == ("model", MistralModel)
+    assert "`MistralModel.forward` only delegates to super()" in verdict.reason
     assert judge_vllm_class(MistralForCausalLM, pp=2).supported
 
 
@@ -57,6 +58,7 @@ def test_mimo_opts_out_itself() -> None:
     verdict = judge_decoder_class(MiMoModel)
     assert not verdict.supported and verdict.opted_out and verdict.supported_by == "MiMoModel"
     assert "`MiMoModel` sets supports_aux_hidden_states_over_pp = False itself" in verdict.message()
+    assert "opts out on purpose" in verdict.message() and "pipespec[vllm]" not in verdict.message()
     assert not judge_vllm_class(MiMoForCausalLM, pp=2).supported
 
 

@@ -30,6 +30,10 @@ AUX_CALLS = ("collect_remote_aux_hidden_states", "pack_local_aux_hidden_states")
 FIX = ("adapt it with `adapter-gen {file} --dialect vllm --class {cls}` and register the result, "
        "or install pipespec's vLLM plugin (`pip install 'pipespec[vllm]'`), which adapts it at engine load")
 
+OPTED_OUT_FIX = ("`{owner}` opts out on purpose, so neither vLLM nor pipespec's plugin adapts it; after checking "
+                 "that its forward can relay aux states, drop that line and adapt it with "
+                 "`adapter-gen {file} --dialect vllm --class {cls}`")
+
 
 @dataclass(frozen=True)
 class ClassFacts:
@@ -66,7 +70,8 @@ class Judgement:
         name = model_name or self.name
         if self.supported:
             return f"{name} supports {method} with pipeline parallelism ({self.reason})"
-        fix = FIX.format(file=self.file, cls=self.name)
+        fix = (OPTED_OUT_FIX if self.opted_out else FIX).format(file=self.file, cls=self.name,
+                                                                  owner=self.supported_by or self.name)
         return f"{name} does not support {method} with pipeline parallelism: {self.reason}. Fix: {fix}"
 
 
@@ -144,7 +149,14 @@ def judge_facts(facts: list[ClassFacts]) -> Judgement:
             f"`{klass.name}.forward` ({klass.file}:{klass.forward_line}) overrides `{owner.name}.forward` without "
             f"aux handling (no {' / '.join(AUX_CALLS)}); {FLAG} = True is only inherited from `{owner.name}`",
             supported_by=owner.name)
-    via = "its own flag" if owner_at == 0 else f"inherited from `{owner.name}`, forward not overridden"
+    delegating = [k.name for k in facts[:owner_at] if k.defines_forward]
+    if owner_at == 0:
+        via = "its own flag"
+    elif delegating:
+        via = (f"inherited from `{owner.name}`; `{'`, `'.join(delegating)}.forward` only delegates to super() "
+               "or does the aux handling itself")
+    else:
+        via = f"inherited from `{owner.name}`, forward not overridden"
     return Judgement(this.name, this.file, True, f"{FLAG} = True ({via})", supported_by=owner.name)
 
 
