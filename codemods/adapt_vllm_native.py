@@ -103,7 +103,13 @@ def _default_reader(label: str) -> ModuleReader:
         if found is not None and found.origin is not None:
             candidate = Path(found.origin).parent.joinpath(*inside)
             base = candidate.parent if candidate.is_file() else None
-    root = next((p for p in ([base, *base.parents] if base else []) if p.name == "vllm"), None)
+    # The vLLM package the file lives in (a directory named vllm that holds model_executor/: not any
+    # directory named vllm, such as a project's tests/vllm/).
+    root = next((p for p in ([base, *base.parents] if base else [])
+                 if p.name == "vllm" and (p / "model_executor").is_dir()), None)
+    if root is None and base is not None:  # an out-of-tree module: its `from vllm.<...> import` are the installed vLLM's
+        found = importlib.util.find_spec("vllm")
+        root = Path(found.origin).parent if found is not None and found.origin is not None else None
 
     def read(dotted: str) -> str | None:
         if base is None:

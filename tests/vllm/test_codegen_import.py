@@ -125,3 +125,19 @@ def test_opt_wrapper_shares_the_embedding_without_registering_it_twice(tmp_path:
         assert "embed_tokens" not in importlib.import_module("vllm.model_executor.models.opt").OPTModel.__dict__
     finally:
         sys.modules.pop("vllm.model_executor.models.opt_pipespec", None)
+
+
+def test_out_of_tree_module_under_a_directory_named_vllm_finds_vllm_layer_classes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An out-of-tree model in a project's ``tests/vllm/`` importing ``LlamaDecoderLayer`` from the
+    installed vLLM: the layer class (and its residual rule) is read from the installed vLLM, not looked
+    for under the project directory that happens to be named vllm."""
+    from pathlib import Path
+
+    from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
+
+    source = (Path(__file__).parent / "plugin_scripts" / "toy_lm.py").read_text(encoding="utf-8")
+    copy = tmp_path / "tests" / "vllm" / "toy_lm.py"
+    copy.parent.mkdir(parents=True)
+    copy.write_text(source, encoding="utf-8")
+    result = adapt_vllm_module(source, label=str(copy), classes=["ToyLMForCausalLM"])
+    assert [d.status for d in result.decoders] == ["adapted"], result.decoders
