@@ -94,10 +94,12 @@ def assigned_leaves(target: cst.BaseExpression) -> list[cst.BaseExpression]:
 
 
 class _OwnScope(cst.CSTVisitor):
-    """Returns and jumps of a function's own body (nested functions and classes are not its code)."""
+    """Loops, returns and jumps of a function's own body (nested functions, classes and lambdas are not
+    its code)."""
 
     def __init__(self) -> None:
         self.depth = 0
+        self.loops: list[cst.For] = []
         self.returns: list[cst.Return] = []
         self.jumps: list[cst.CSTNode] = []
 
@@ -114,6 +116,9 @@ class _OwnScope(cst.CSTVisitor):
     def visit_Lambda(self, node: cst.Lambda) -> bool:
         return False
 
+    def visit_For(self, node: cst.For) -> None:
+        self.loops.append(node)
+
     def visit_Return(self, node: cst.Return) -> None:
         self.returns.append(node)
 
@@ -125,6 +130,13 @@ class _OwnScope(cst.CSTVisitor):
 
     def visit_Yield(self, node: cst.Yield) -> None:
         self.jumps.append(node)
+
+
+def own_scope(node: cst.CSTNode) -> _OwnScope:
+    """What ``node``'s own body holds (``_OwnScope``), nested scopes left out."""
+    scope = _OwnScope()
+    node.visit(scope)
+    return scope
 
 
 def is_stage_loop(loop: cst.For) -> bool:
@@ -210,8 +222,7 @@ def classify_returns(
 
     ``line_of(node)`` gives a node's line; every return must come after ``loop_end_line``.
     """
-    scope = _OwnScope()
-    fn.visit(scope)
+    scope = own_scope(fn)
     if scope.jumps:
         raise ShapeError("forward breaks, continues or yields: only a straight layer loop is understood", scope.jumps[0])
     nonlast, last = set(), set()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
-from pipespec.codemods.vllm_forward_shape import is_docstring, names_in, self_attr
+from pipespec.codemods.vllm_forward_shape import is_docstring, names_in, own_scope, self_attr
 
 FLAG = "supports_aux_hidden_states_over_pp"
 CAPTURE_CALLS = ("_maybe_add_hidden_state",)
@@ -74,50 +74,6 @@ def own_flag(cls: cst.ClassDef) -> cst.SimpleStatementLine | None:
                                                       | m.AnnAssign(target=m.Name(FLAG))])):
             return cst.ensure_type(stmt, cst.SimpleStatementLine)
     return None
-
-
-class _OwnScope(cst.CSTVisitor):
-    """Loops, returns and jumps of one function's own body (nested functions/classes/lambdas excluded)."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.loops: list[cst.For] = []
-        self.returns: list[cst.Return] = []
-        self.jumps: list[cst.CSTNode] = []
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        self.depth += 1
-        return self.depth == 1
-
-    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
-        self.depth -= 1
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-        return False
-
-    def visit_Lambda(self, node: cst.Lambda) -> bool:
-        return False
-
-    def visit_For(self, node: cst.For) -> None:
-        self.loops.append(node)
-
-    def visit_Return(self, node: cst.Return) -> None:
-        self.returns.append(node)
-
-    def visit_Break(self, node: cst.Break) -> None:
-        self.jumps.append(node)
-
-    def visit_Continue(self, node: cst.Continue) -> None:
-        self.jumps.append(node)
-
-    def visit_Yield(self, node: cst.Yield) -> None:
-        self.jumps.append(node)
-
-
-def own_scope(node: cst.CSTNode) -> _OwnScope:
-    scope = _OwnScope()
-    node.visit(scope)
-    return scope
 
 
 def stage_loops(fn: cst.FunctionDef) -> list[cst.For]:
