@@ -65,7 +65,7 @@ def config_for(quick: bool, device: str) -> P1Config:
 def _build_model(cfg: P1Config, rank: int, device: torch.device) -> Any:
     from transformers import LlamaConfig, LlamaModel
 
-    from pipespec.adapt import adapt
+    from pipespec.integrations.transformers.adapt import adapt
 
     config = LlamaConfig(
         hidden_size=cfg.hidden, intermediate_size=cfg.intermediate, num_hidden_layers=cfg.num_layers,
@@ -96,8 +96,8 @@ def _build_model(cfg: P1Config, rank: int, device: torch.device) -> Any:
 
 def _stage(ctx: Any, cfg: P1Config) -> dict[str, Any]:
     """One stage process: run every variant at every T, interleaved; the last stage returns timings."""
-    from pipespec.layout import eagle3_default_aux_ids
-    from pipespec.mixin import hop_keys
+    from pipespec.contract.layout import eagle3_default_aux_ids
+    from pipespec.contract.mixin import hop_keys
     from pipespec.pp.overlap import OverlapTransport
     from pipespec.pp.transport import HopReceiver, HopSender
 
@@ -155,7 +155,7 @@ def _stage(ctx: Any, cfg: P1Config) -> dict[str, Any]:
         """This stage's own compute at T tokens (no transport): the denominator the goal is about."""
         model.set_aux_hidden_state_layers(())
         x = None if ctx.is_first else torch.randn(1, tokens, cfg.hidden, device=device, dtype=dtype)
-        from pipespec.intermediate import IntermediateTensors
+        from pipespec.contract.intermediate import IntermediateTensors
 
         received = None if x is None else IntermediateTensors({"hidden_states": x})
         sync()

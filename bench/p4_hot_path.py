@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from bench.common import Result, device_name, median_time
-from pipespec.intermediate import IntermediateTensors
-from pipespec.mixin import AuxHiddenStatesMixin
+from pipespec.contract.intermediate import IntermediateTensors
+from pipespec.contract.mixin import AuxHiddenStatesMixin
 
 NAME = "p4"
 DESCRIPTION = "SDK hot path: pack + relay + collect per step (µs), sync-free, CUDA-graph safe"

@@ -104,10 +104,10 @@ import torch
 from torch.nn import functional as F
 
 from pipespec.cli.args import positive_int
+from pipespec.contract.layout import eagle3_default_aux_ids
 from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig
 from pipespec.engine.draft_checkpoint import TargetInfo, load_draft_checkpoint, save_draft_checkpoint
 from pipespec.engine.testing import reference_speculative_generate, target_aux_states
-from pipespec.layout import eagle3_default_aux_ids
 
 EOS = "<|endoftext|>"
 

@@ -46,7 +46,7 @@ from pipespec.codemods.hf_forward_shape import (
     names_in,
     rotary_attrs,
 )
-from pipespec.spec import AdapterSpec, load_spec
+from pipespec.contract.spec import AdapterSpec, load_spec
 
 GENERATOR = "adapt_hf_stage_forward"
 GENERATOR_VERSION = 1
@@ -266,8 +266,8 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
             )
         new_func = self._stage_forward(shape)
         if self.add_imports:
-            AddImportsVisitor.add_needed_import(self.context, "pipespec.intermediate", "IntermediateTensors")
-            AddImportsVisitor.add_needed_import(self.context, "pipespec.mixin", "AuxHiddenStatesMixin")
+            AddImportsVisitor.add_needed_import(self.context, "pipespec.contract.intermediate", "IntermediateTensors")
+            AddImportsVisitor.add_needed_import(self.context, "pipespec.contract.mixin", "AuxHiddenStatesMixin")
         return self._adapted_class(original_node, func, new_func, shape)
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:

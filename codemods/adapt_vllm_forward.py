@@ -1,5 +1,5 @@
 """The ``pipespec`` dialect: adapt a vLLM-style decoder stack for pipespec's own runtime (it captures,
-relays and collects aux hidden states over PP through ``pipespec.mixin.AuxHiddenStatesMixin``).
+relays and collects aux hidden states over PP through ``pipespec.contract.mixin.AuxHiddenStatesMixin``).
 
 Code for vLLM itself is the ``vllm`` dialect (``adapt_vllm_native``: vLLM's own EAGLE3-over-PP contract).
 
@@ -17,7 +17,7 @@ Input shape (one class, named by the caller)::
 
 What the codemod does (docs/codemods.md, "vLLM dialect", has the full before/after):
 
-* the class inherits ``pipespec.mixin.AuxHiddenStatesMixin`` and carries the own-dict marker
+* the class inherits ``pipespec.contract.mixin.AuxHiddenStatesMixin`` and carries the own-dict marker
   ``supports_aux_hidden_states_over_pp = True`` and ``pipespec_has_residual``;
 * the stage plan is the source of truth: ``get_pp_group().is_first_rank`` / ``.is_last_rank`` in forward
   become ``self.is_first_stage`` / ``self.is_last_stage``, and ``self.start_layer, self.end_layer`` from
@@ -59,14 +59,14 @@ from pipespec.codemods.vllm_forward_shape import (
     self_attr,
 )
 from pipespec.codemods.vllm_native_shape import Decline, sent_stream
-from pipespec.spec import AdapterSpec
+from pipespec.contract.spec import AdapterSpec
 
 GENERATOR = "adapt_vllm_forward"
 GENERATOR_VERSION = 1
 ALREADY_ADAPTED = "already adapted"
 MARKER = "supports_aux_hidden_states_over_pp"
 MARKER_ATTR = "pipespec_generated_by"  # same attribute the HF codemod writes: generator, version, source, spec
-MIXIN_MODULE, MIXIN = "pipespec.mixin", "AuxHiddenStatesMixin"
+MIXIN_MODULE, MIXIN = "pipespec.contract.mixin", "AuxHiddenStatesMixin"
 AUX, REMOTE = "aux_hidden_states", "remote_aux_hidden_states"
 # Attributes the mixin owns as read-only properties: source that assigns them cannot keep doing so.
 MIXIN_PROPERTIES = ("start_layer", "end_layer", "is_first_stage", "is_last_stage", "aux_hidden_state_layers",

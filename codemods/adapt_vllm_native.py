@@ -52,8 +52,8 @@ from pipespec.codemods.vllm_native_shape import (
     params_of,
     residual_read,
 )
+from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import UsageError
-from pipespec.spec import AdapterSpec
 
 GENERATOR = "adapt_vllm_native"
 GENERATOR_VERSION = 1

@@ -1,7 +1,7 @@
 """Read the shape of an HF transformers decoder ``forward`` without running it.
 
 Shared by the codemod (``AdaptHFStageForwardCommand``, which rewrites what this finds) and by
-``pipespec.infer`` (which turns it into an adapter spec). Pure libcst: the analysed code is never
+``pipespec.integrations.transformers.infer`` (which turns it into an adapter spec). Pure libcst: the analysed code is never
 imported or executed.
 
 A forward we can adapt has three parts around ONE top-level loop over the decoder layers::

@@ -16,14 +16,14 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from pipespec.adapt import adapt, cache_kwarg_name, spec_for_class
+from pipespec.contract.intermediate import IntermediateTensors
+from pipespec.contract.layout import plan_layout
+from pipespec.contract.spec import AdapterSpec
+from pipespec.contract.verify import find_support, verify_supports_aux_hidden_states_over_pp
 from pipespec.errors import LayoutError, UnsupportedModelError
-from pipespec.infer import decoder_class_for_model_type, infer_spec
-from pipespec.intermediate import IntermediateTensors
-from pipespec.layout import plan_layout
-from pipespec.spec import AdapterSpec
-from pipespec.stage_cache import DummyLayer, StageCache, new_stage_cache
-from pipespec.verify import find_support, verify_supports_aux_hidden_states_over_pp
+from pipespec.integrations.transformers.adapt import adapt, cache_kwarg_name, spec_for_class
+from pipespec.integrations.transformers.infer import decoder_class_for_model_type, infer_spec
+from pipespec.integrations.transformers.stage_cache import DummyLayer, StageCache, new_stage_cache
 
 N = 6
 PARTITIONS = {1: None, 2: [2, 4], 3: [1, 3, 2]}  # uneven; boundaries at 2 and at 1, 4
@@ -337,6 +337,6 @@ def test_pipespec_adapt_is_callable_before_and_after_importing_the_submodule():
     import pipespec
 
     first = pipespec.adapt(LlamaModel)
-    importlib.import_module("pipespec.adapt")  # rebinds the package attribute to the module
+    importlib.import_module("pipespec.integrations.transformers.adapt")  # rebinds the package attribute to the module
     assert pipespec.adapt(LlamaModel) is first
     assert "supports_aux_hidden_states_over_pp" in first.__dict__

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from pipespec import codegen
+from pipespec.contract.registry import default_registry
+from pipespec.contract.spec import load_spec
 from pipespec.errors import PipespecError
-from pipespec.registry import default_registry
-from pipespec.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -239,7 +239,7 @@ def test_header_keeps_one_entry_per_class_and_a_shebang() -> None:
 
 
 def test_marker_name_matches_the_verifier() -> None:
-    from pipespec.verify import MARKER
+    from pipespec.contract.verify import MARKER
 
     assert codegen.MARKER == MARKER
 
@@ -280,7 +280,7 @@ def test_new_scaffolds_a_spec_and_a_parity_test_that_passes(tmp_path: Path) -> N
     assert proc.stdout.splitlines()[:2] == [f"wrote {spec_path}", f"wrote {test_path}"]
     assert "pipespec verify --architecture" in proc.stdout
     spec = load_spec(spec_path)
-    from pipespec.infer import decoder_class_for_model_type, infer_spec
+    from pipespec.integrations.transformers.infer import decoder_class_for_model_type, infer_spec
 
     decoder = decoder_class_for_model_type(model_type)
     inferred = infer_spec(decoder, model_type)

@@ -33,8 +33,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from pipespec.cli import main
+from pipespec.contract.intermediate import IntermediateTensors
 from pipespec.engine.testing import write_tiny_draft, write_tiny_target
-from pipespec.intermediate import IntermediateTensors
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "vllm_style"

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipespec.layout import eagle3_default_aux_ids
+from pipespec.contract.layout import eagle3_default_aux_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {"id", "value", "goal", "unit", "meets", "device", "command"}

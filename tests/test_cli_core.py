@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipespec.layout import plan_layout
+from pipespec.contract.layout import plan_layout
 
 BIN = Path(sys.executable).parent / "pipespec"
 

@@ -23,8 +23,8 @@ from libcst.codemod import CodemodContext, CodemodTest, SkipFile
 
 from pipespec.codemods.adapt_hf_stage_forward import MARKER_ATTR, AdaptHFStageForwardCommand
 from pipespec.codemods.hf_forward_shape import walk
-from pipespec.infer import infer_spec
-from pipespec.spec import AdapterSpec
+from pipespec.contract.spec import AdapterSpec
+from pipespec.integrations.transformers.infer import infer_spec
 
 GOLDEN_DIR = Path(__file__).parent / "golden" / "hf"
 GOLDEN_TYPES = {
@@ -84,8 +84,8 @@ class TestAdaptHFStageForward(CodemodTest):
         after = """
             import torch
             from torch import nn
-            from pipespec.intermediate import IntermediateTensors
-            from pipespec.mixin import AuxHiddenStatesMixin
+            from pipespec.contract.intermediate import IntermediateTensors
+            from pipespec.contract.mixin import AuxHiddenStatesMixin
 
 
             class TinyModel(nn.Module, AuxHiddenStatesMixin):

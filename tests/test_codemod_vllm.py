@@ -19,9 +19,9 @@ from libcst.codemod import CodemodContext, CodemodTest, TransformSkip, Transform
 from pipespec.cli.adapter_gen import main as adapter_gen_main
 from pipespec.codegen import adapt_target, load_target
 from pipespec.codemods.adapt_vllm_forward import ALREADY_ADAPTED, AdaptVllmForwardCommand
+from pipespec.contract.mixin import hop_keys
+from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import LayoutError
-from pipespec.mixin import hop_keys
-from pipespec.spec import AdapterSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "vllm_style"
@@ -67,7 +67,7 @@ from itertools import islice
 
 from vllm.sequence import IntermediateTensors
 
-from pipespec.mixin import AuxHiddenStatesMixin
+from pipespec.contract.mixin import AuxHiddenStatesMixin
 
 
 class Model(AuxHiddenStatesMixin, nn.Module):

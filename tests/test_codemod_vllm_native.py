@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
+from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import UsageError
-from pipespec.spec import AdapterSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "vllm_native"
@@ -489,8 +489,8 @@ def test_cli_refuses_a_vllm_older_than_the_contract(tmp_path: Path) -> None:
 
 
 def test_spec_embed_table_loads_and_is_validated() -> None:
+    from pipespec.contract.spec import spec_from_mapping
     from pipespec.errors import SpecError
-    from pipespec.spec import spec_from_mapping
 
     base = {"adapter": {"name": "gpt2", "decoder_class": "vllm.model_executor.models.gpt2:GPT2Model", "dialect": "vllm"}}
     spec = spec_from_mapping({**base, "embed": {"decoder_attr": "transformer", "embed_attr": "wte"}}, "gpt2.toml")

@@ -204,7 +204,7 @@ def test_the_memory_estimate_is_what_a_store_allocates(llama: Path) -> None:
     batch = RowBatch(stage.new_cache(), [0, 1], torch.device("cpu"))
     ids, positions, mask, _ = batch.inputs([[1, 2], [3, 4]], [0, 0])
     hidden = torch.zeros(2, 2, stage.hidden_size)
-    from pipespec.intermediate import IntermediateTensors
+    from pipespec.contract.intermediate import IntermediateTensors
 
     received = IntermediateTensors({key: hidden.clone() for key in stage.receive_keys()})
     stage.forward(batch.cache, positions, received=received, attention_mask=mask)

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipespec.contract.layout import aux_key, default_partition, eagle3_default_aux_ids, plan_layout
 from pipespec.errors import LayoutError
-from pipespec.layout import aux_key, default_partition, eagle3_default_aux_ids, plan_layout
 
 
 @st.composite

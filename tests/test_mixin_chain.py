@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from pipespec.intermediate import IntermediateTensors
-from pipespec.layout import plan_layout
-from pipespec.mixin import AuxHiddenStatesMixin, hop_keys, relay_aux_hidden_states
+from pipespec.contract.intermediate import IntermediateTensors
+from pipespec.contract.layout import plan_layout
+from pipespec.contract.mixin import AuxHiddenStatesMixin, hop_keys, relay_aux_hidden_states
 
 
 class AddLayer(nn.Module):

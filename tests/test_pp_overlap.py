@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipespec.intermediate import IntermediateTensors
-from pipespec.layout import plan_layout
-from pipespec.mixin import AuxHiddenStatesMixin, hop_keys
+from pipespec.contract.intermediate import IntermediateTensors
+from pipespec.contract.layout import plan_layout
+from pipespec.contract.mixin import AuxHiddenStatesMixin, hop_keys
 from pipespec.pp.launch import StageContext, StageFailedError, run_stages
 from pipespec.pp.overlap import OverlapTransport, plan_overlap_hop
 from pipespec.pp.transport import HopReceiver, HopSender
@@ -60,7 +60,7 @@ def test_the_last_stage_has_no_outgoing_hop() -> None:
 def _llama(num_layers: int) -> nn.Module:
     from transformers import LlamaConfig, LlamaModel
 
-    from pipespec.adapt import adapt
+    from pipespec.integrations.transformers.adapt import adapt
 
     config = LlamaConfig(
         hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=num_layers, num_attention_heads=2,

@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
+from pipespec.contract.intermediate import IntermediateTensors
+from pipespec.contract.layout import plan_layout
+from pipespec.contract.mixin import hop_keys
 from pipespec.engine import step as stepmsg
-from pipespec.intermediate import IntermediateTensors
-from pipespec.layout import plan_layout
-from pipespec.mixin import hop_keys
 from pipespec.pp.launch import PeerLostError, StageContext, StageFailedError, describe_exit, run_stages
 from pipespec.pp.transport import HopLayout, HopReceiver, HopSender, StepBroadcaster
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from pipespec.contract.registry import Registry, builtin_adapters_dir
+from pipespec.contract.spec import load_spec
 from pipespec.errors import SpecError
-from pipespec.registry import Registry, builtin_adapters_dir
-from pipespec.spec import load_spec
 
 GOOD = '[adapter]\nname = "toy"\narchitectures = ["ToyForCausalLM"]\ndecoder_class = "toy.modeling:ToyModel"\n'
 

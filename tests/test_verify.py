@@ -10,11 +10,11 @@ from transformers.models.llama.modeling_llama import LlamaModel
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
 
 import pipespec
+from pipespec.contract.layout import plan_layout
+from pipespec.contract.mixin import AuxHiddenStatesMixin
+from pipespec.contract.registry import Registry, builtin_adapters_dir
+from pipespec.contract.verify import verify_supports_aux_hidden_states_over_pp
 from pipespec.errors import LayoutError, SpecError, UnsupportedModelError, UsageError
-from pipespec.layout import plan_layout
-from pipespec.mixin import AuxHiddenStatesMixin
-from pipespec.registry import Registry, builtin_adapters_dir
-from pipespec.verify import verify_supports_aux_hidden_states_over_pp
 
 
 @pytest.fixture
@@ -123,7 +123,7 @@ def test_decorator_requires_the_mixin():
 
 
 def test_embed_rules_share_or_keep_or_fail():
-    from pipespec.embed import maybe_share_target_embed, spec_decode_needs_target_embed
+    from pipespec.contract.embed import maybe_share_target_embed, spec_decode_needs_target_embed
     from pipespec.errors import CheckpointError
 
     assert [spec_decode_needs_target_embed(m, 2, True) for m in ("eagle", "eagle3", "dflash", "dspark", "ngram")] == [True] * 4 + [False]

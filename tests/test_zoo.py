@@ -18,9 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipespec.cli import main
-from pipespec.intermediate import IntermediateTensors
-from pipespec.zoo import runner, tiny
-from pipespec.zoo.runner import (
+from pipespec.contract.intermediate import IntermediateTensors
+from pipespec.integrations.transformers.zoo import runner, tiny
+from pipespec.integrations.transformers.zoo.runner import (
     classify_forward_shape,
     compare_stage_outputs,
     find_decoder,
@@ -31,7 +31,7 @@ from pipespec.zoo.runner import (
     uneven_partition,
     zoo_aux_ids,
 )
-from pipespec.zoo.tiny import TinyBuildError, build_tiny_model, tiny_config
+from pipespec.integrations.transformers.zoo.tiny import TinyBuildError, build_tiny_model, tiny_config
 
 # Adaptable families the issue names, one hybrid (Mamba + attention), and two that must be declined:
 # a BERT-style stack (no layer loop in the decoder's forward) and an RNN whose state crosses layers.
@@ -124,8 +124,8 @@ def test_forward_shapes_are_classified_from_source():
 @pytest.fixture(scope="module")
 def llama_setup():
     """A tiny llama, its reference, and a factory of adapted stage instances holding its weights."""
-    from pipespec.adapt import adapt
-    from pipespec.infer import decoder_class_for_model_type
+    from pipespec.integrations.transformers.adapt import adapt
+    from pipespec.integrations.transformers.infer import decoder_class_for_model_type
 
     built = build_tiny_model("llama")
     decoder = find_decoder(built.model, decoder_class_for_model_type("llama"))
@@ -171,7 +171,7 @@ def test_correct_stages_agree_and_wrong_id_mapping_is_caught(llama_setup):
 
 def _wrong_adapter(mistake: str):
     """An `adapt` that returns the real adapted class with one deliberate bug."""
-    from pipespec.adapt import adapt as real_adapt
+    from pipespec.integrations.transformers.adapt import adapt as real_adapt
 
     def adapt(cls, spec=None):
         base = real_adapt(cls, spec)
@@ -205,9 +205,9 @@ def _wrong_adapter(mistake: str):
     [("rotate-slots", "aux id"), ("drop-relayed-key", "sent keys")],
 )
 def test_wrong_adaptation_fails_through_the_cli(monkeypatch, capsys, mistake, reason):
-    import pipespec.adapt
+    import pipespec.integrations.transformers.adapt as adapt_module
 
-    monkeypatch.setattr(pipespec.adapt, "adapt", _wrong_adapter(mistake))
+    monkeypatch.setattr(adapt_module, "adapt", _wrong_adapter(mistake))
     code = main(["zoo", "--model-types", "llama", "--json"])
     [row] = json.loads(capsys.readouterr().out)
     assert code == 1
@@ -217,13 +217,13 @@ def test_wrong_adaptation_fails_through_the_cli(monkeypatch, capsys, mistake, re
 @pytest.mark.timeout(120)
 def test_decode_steps_with_stage_caches_verify_and_catch_a_stage_without_cache(monkeypatch):
     """gemma2's sliding window (4) is shorter than prefill + steps, so masks from the stage cache matter."""
-    import pipespec.adapt
+    import pipespec.integrations.transformers.adapt as adapt_module
 
     for model_type in ("llama", "gemma2"):
         result = run_type(model_type, pp_sizes=(2, 3), decode_steps=2)
         assert result.status == "verified", result.reason
         assert "prefill + 2 decode steps" in result.reason
-    monkeypatch.setattr(pipespec.adapt, "adapt", _wrong_adapter("forget-the-cache"))
+    monkeypatch.setattr(adapt_module, "adapt", _wrong_adapter("forget-the-cache"))
     assert run_type("llama", pp_sizes=(1,)).status == "verified"  # one forward cannot tell
     result = run_type("llama", pp_sizes=(1,), decode_steps=2)
     assert result.status == "failed" and "decode step 1" in result.reason, result.reason

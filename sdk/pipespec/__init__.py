@@ -27,30 +27,30 @@ __all__ = [
 
 # Lazy attribute map: `import pipespec` stays cheap (no torch) for CLI commands that need none.
 _EXPORTS = {
-    "AdapterSpec": "pipespec.spec",
-    "AuxHiddenStatesMixin": "pipespec.mixin",
-    "IntermediateTensors": "pipespec.intermediate",
-    "LayoutPlan": "pipespec.layout",
-    "StagePlan": "pipespec.layout",
-    "plan_layout": "pipespec.layout",
-    "adapt": "pipespec.adapt",
-    "adapter": "pipespec.decorator",
-    "lookup": "pipespec.registry",
-    "maybe_share_target_embed": "pipespec.embed",
-    "spec_decode_needs_target_embed": "pipespec.embed",
-    "verify_supports_aux_hidden_states_over_pp": "pipespec.verify",
+    "AdapterSpec": "pipespec.contract.spec",
+    "AuxHiddenStatesMixin": "pipespec.contract.mixin",
+    "IntermediateTensors": "pipespec.contract.intermediate",
+    "LayoutPlan": "pipespec.contract.layout",
+    "StagePlan": "pipespec.contract.layout",
+    "plan_layout": "pipespec.contract.layout",
+    "adapt": "pipespec.integrations.transformers.adapt",
+    "adapter": "pipespec.contract.decorator",
+    "lookup": "pipespec.contract.registry",
+    "maybe_share_target_embed": "pipespec.contract.embed",
+    "spec_decode_needs_target_embed": "pipespec.contract.embed",
+    "verify_supports_aux_hidden_states_over_pp": "pipespec.contract.verify",
 }
 
 if TYPE_CHECKING:
-    from pipespec.adapt import adapt
-    from pipespec.decorator import adapter
-    from pipespec.embed import maybe_share_target_embed, spec_decode_needs_target_embed
-    from pipespec.intermediate import IntermediateTensors
-    from pipespec.layout import LayoutPlan, StagePlan, plan_layout
-    from pipespec.mixin import AuxHiddenStatesMixin
-    from pipespec.registry import lookup
-    from pipespec.spec import AdapterSpec
-    from pipespec.verify import verify_supports_aux_hidden_states_over_pp
+    from pipespec.contract.decorator import adapter
+    from pipespec.contract.embed import maybe_share_target_embed, spec_decode_needs_target_embed
+    from pipespec.contract.intermediate import IntermediateTensors
+    from pipespec.contract.layout import LayoutPlan, StagePlan, plan_layout
+    from pipespec.contract.mixin import AuxHiddenStatesMixin
+    from pipespec.contract.registry import lookup
+    from pipespec.contract.spec import AdapterSpec
+    from pipespec.contract.verify import verify_supports_aux_hidden_states_over_pp
+    from pipespec.integrations.transformers.adapt import adapt
 
 
 def __getattr__(name: str) -> Any:

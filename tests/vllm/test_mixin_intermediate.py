@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from vllm.sequence import IntermediateTensors as VllmIntermediateTensors
 
-from pipespec.mixin import (
+from pipespec.contract.mixin import (
     AuxHiddenStatesMixin,
     relay_aux_hidden_states,
     reserve_aux_intermediate_tensor_slots,

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
+from pipespec.contract.layout import plan_layout
 from pipespec.integrations.vllm.harness import Job
 from pipespec.integrations.vllm.tiny import tiny_vllm_config, write_model_dir
 from pipespec.integrations.vllm.zoo import (
@@ -30,7 +31,6 @@ from pipespec.integrations.vllm.zoo import (
     inherited_flag_verdicts,
     vllm_root,
 )
-from pipespec.layout import plan_layout
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_PIPESPEC = Path(sys.executable).with_name("pipespec")

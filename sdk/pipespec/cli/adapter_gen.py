@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipespec.contract.spec import DIALECTS
 from pipespec.errors import UsageError
-from pipespec.spec import DIALECTS
 
 if TYPE_CHECKING:  # codegen imports libcst: loaded only when a command needs it
     from pipespec.codegen import Outcome, Target

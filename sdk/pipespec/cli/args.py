@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from pipespec.contract.layout import BOUNDARY_RULES, LayoutPlan, plan_layout
 from pipespec.errors import UsageError
-from pipespec.layout import BOUNDARY_RULES, LayoutPlan, plan_layout
 
 
 def int_list(text: str) -> list[int]:

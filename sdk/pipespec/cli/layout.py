@@ -6,7 +6,7 @@ import argparse
 import json
 
 from pipespec.cli.args import add_layout_arguments, layout_from_args
-from pipespec.layout import LayoutPlan
+from pipespec.contract.layout import LayoutPlan
 
 HELP = "plan stages and aux-state slots for N layers over P stages"
 

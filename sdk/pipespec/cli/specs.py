@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pipespec.registry import default_registry
+from pipespec.contract.registry import default_registry
 
 HELP = "list adapter specs in the registry (built-in, PIPESPEC_ADAPTERS_PATH, decorators)"
 

@@ -16,9 +16,9 @@ import importlib
 import json
 
 from pipespec.cli.args import add_layout_arguments, layout_from_args
+from pipespec.contract.registry import default_registry
+from pipespec.contract.verify import METHODS, verify_supports_aux_hidden_states_over_pp
 from pipespec.errors import UnsupportedModelError, UsageError
-from pipespec.registry import default_registry
-from pipespec.verify import METHODS, verify_supports_aux_hidden_states_over_pp
 
 HELP = "check that an architecture or class supports aux hidden states over PP for a layout"
 ENGINES = ("transformers", "vllm")

@@ -2,7 +2,7 @@
 
 For each type: build a tiny random float32 model, adapt its decoder with ``pipespec.adapt``, run it as
 P in-process stages (default P = 1, 2, 3; uneven partitions), compare with the unadapted model (see
-``pipespec.zoo.runner``). Prints a table (``--json``: the list DESIGN.md specifies) and, with
+``pipespec.integrations.transformers.zoo.runner``). Prints a table (``--json``: the list DESIGN.md specifies) and, with
 ``--write-coverage FILE``, writes the markdown coverage report (``make zoo`` writes docs/coverage.md).
 Exit status 1 when any type ``failed``: an adaptation that ran but disagreed is a bug.
 
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_types(text: str | None) -> list[str] | None:
-    from pipespec.zoo.tiny import causal_lm_model_types
+    from pipespec.integrations.transformers.zoo.tiny import causal_lm_model_types
 
     if text is None:
         return None
@@ -141,7 +141,7 @@ weights by parameter name) and checks it in vLLM's own process groups (`init_dis
 after `set_aux_hidden_state_layers` equal the unadapted model's residual stream at the same ids (hooks on its
 layers; max abs error 1e-5), `supports_eagle3` holds and the decoder sets `supports_aux_hidden_states_over_pp`
 itself; at PP=2 two processes (`get_pp_group()`) build their stages, rank 0's `IntermediateTensors` carry
-exactly the aux keys `pipespec.layout.plan_layout` plans for stage 0, and rank 1, fed rank 0's tensors through
+exactly the aux keys `pipespec.contract.layout.plan_layout` plans for stage 0, and rank 1, fed rank 0's tensors through
 a pipe, returns aux states equal to the PP=1 values (ids 0, the stage boundary, the id after it and N). One
 PP=1 worker and one PP=2 pair stay alive and every model streams through them with a per-model timeout.
 Attention is not exercised: without the model runner's metadata and KV cache vLLM's CPU attention returns
@@ -153,8 +153,8 @@ loop and its aux capture and packing run as vLLM runs them.
 
 def coverage_markdown(results: Sequence[Any], meta: dict[str, Any]) -> str:
     """The coverage report: counts by status and by forward shape, the goals, then one row per type."""
-    from pipespec.zoo.runner import SHAPES, STATUSES
-    from pipespec.zoo.tiny import FIXES
+    from pipespec.integrations.transformers.zoo.runner import SHAPES, STATUSES
+    from pipespec.integrations.transformers.zoo.tiny import FIXES
 
     counts = collections.Counter(r.status for r in results)
     by_shape: dict[str, collections.Counter[str]] = {k: collections.Counter() for k in SHAPES}
@@ -176,7 +176,7 @@ def coverage_markdown(results: Sequence[Any], meta: dict[str, Any]) -> str:
         f"final hidden state and every aux id, relative error <= {meta['rel_tol']:g}"
         + (
             f", after the prefill and after each of {meta['decode_steps']} decode steps (every stage with its own "
-            "`pipespec.stage_cache` cache; the reference with its own cache)."
+            "`pipespec.integrations.transformers.stage_cache` cache; the reference with its own cache)."
             if meta["decode_steps"]
             else " (one forward, no cache; `--decode-steps K` adds decoding with per-stage caches)."
         ),
@@ -201,7 +201,7 @@ def coverage_markdown(results: Sequence[Any], meta: dict[str, Any]) -> str:
         "",
         f"- Llama-like (exact loop + variants): {sum(r.status == 'verified' for r in llama_like)} of {len(llama_like)} verified "
         "(goal: at least 110 of 120; the issue counted 120 with its own grouping, this table labels each type by "
-        "`pipespec.zoo.runner.classify_forward_shape` on the decoder actually run, a multimodal model's text decoder).",
+        "`pipespec.integrations.transformers.zoo.runner.classify_forward_shape` on the decoder actually run, a multimodal model's text decoder).",
         f"- GPT2-style: {sum(r.status == 'verified' for r in gpt2)} of {len(gpt2)} verified (goal: at least 5 of 10).",
         f"- failed: {counts['failed']} (goal: 0).",
         "",
@@ -214,7 +214,7 @@ def coverage_markdown(results: Sequence[Any], meta: dict[str, Any]) -> str:
         + (f" `hidden_states[L]` differs from the layer input in: {', '.join(differ)}." if differ else ""),
         "",
         f"Tiny models: {sum(not r.reason.startswith('could not build tiny model') for r in results)} of {len(results)} built; "
-        f"{sum(bool(r.fixes) for r in results)} needed a per-type fix (`pipespec.zoo.tiny.FIXES`).",
+        f"{sum(bool(r.fixes) for r in results)} needed a per-type fix (`pipespec.integrations.transformers.zoo.tiny.FIXES`).",
         "",
         "## Per-type fixes of the tiny recipe",
         "",
@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
-    from pipespec.zoo.runner import REL_TOL, run_zoo
+    from pipespec.integrations.transformers.zoo.runner import REL_TOL, run_zoo
 
     progress = _Progress(sys.stderr)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")

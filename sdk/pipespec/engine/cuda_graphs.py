@@ -32,8 +32,8 @@ from typing import Any, Literal
 
 import torch
 
+from pipespec.contract.intermediate import IntermediateTensors
 from pipespec.engine.slot_cache import SlotStore
-from pipespec.intermediate import IntermediateTensors
 
 __all__ = ["GraphedForwards", "GraphMode"]
 

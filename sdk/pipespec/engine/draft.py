@@ -56,7 +56,7 @@ q/k/v read ``cat(input_layernorm(embeds), hidden_norm(h))`` (2H inputs) and whos
 (or ``hidden_norm(h)`` when ``norm_before_residual``, as speculators allows), post-attention norm + MLP,
 final ``norm``, ``lm_head`` over the draft vocabulary, and ``d2t`` offsets (target id = draft id +
 ``d2t[draft id]``). Token embeddings come from ``embed_tokens``: the draft's own, or the target's module
-shared via ``pipespec.embed.maybe_share_target_embed``. Rotary embeddings follow the layer's Llama config
+shared via ``pipespec.contract.embed.maybe_share_target_embed``. Rotary embeddings follow the layer's Llama config
 (any ``rope_parameters`` transformers understands, e.g. llama3 scaling), computed exactly as transformers'
 ``LlamaRotaryEmbedding`` does.
 """
@@ -793,7 +793,7 @@ class Eagle3Draft(nn.Module):
         if embed is None:
             raise RuntimeError(
                 "the draft has no embed_tokens: load one from the checkpoint or share the target's input "
-                "embedding with pipespec.embed.maybe_share_target_embed(draft, target_embed)"
+                "embedding with pipespec.contract.embed.maybe_share_target_embed(draft, target_embed)"
             )
         out = embed(input_ids)
         return out if out.dtype == dtype else out.to(dtype)

@@ -35,10 +35,10 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig
 
-from pipespec.embed import maybe_share_target_embed
+from pipespec.contract.embed import maybe_share_target_embed
+from pipespec.contract.layout import eagle3_default_aux_ids
 from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig
 from pipespec.errors import CheckpointError, UsageError
-from pipespec.layout import eagle3_default_aux_ids
 
 __all__ = [
     "ARCHITECTURES_A",

@@ -4,7 +4,7 @@
 an impossible layout is refused before a single weight byte is read:
 
 1. read ``config.json`` and the safetensors headers (``pipespec.pp.loading.open_checkpoint``);
-2. registry lookup (architecture, then model type) → decoder class → ``pipespec.adapt.adapt``;
+2. registry lookup (architecture, then model type) → decoder class → ``pipespec.integrations.transformers.adapt.adapt``;
 3. ``verify_supports_aux_hidden_states_over_pp`` on the adapted class, plan the layout with the spec's
    boundary rule, verify again against the layout;
 4. build the causal LM on the meta device with the adapted decoder in place of its own, configure the
@@ -29,14 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipespec.contract.intermediate import IntermediateTensors
+from pipespec.contract.layout import LayoutPlan, StagePlan, plan_layout
+from pipespec.contract.mixin import hop_keys
+from pipespec.contract.registry import default_registry
+from pipespec.contract.spec import AdapterSpec
+from pipespec.contract.verify import verify_supports_aux_hidden_states_over_pp
 from pipespec.errors import CheckpointError, UnsupportedModelError
-from pipespec.intermediate import IntermediateTensors
-from pipespec.layout import LayoutPlan, StagePlan, plan_layout
-from pipespec.mixin import hop_keys
 from pipespec.pp.loading import Checkpoint, LoadReport, TensorReader, materialize, open_checkpoint
-from pipespec.registry import default_registry
-from pipespec.spec import AdapterSpec
-from pipespec.verify import verify_supports_aux_hidden_states_over_pp
 
 
 @dataclass
@@ -97,7 +97,7 @@ def resolve_target(target_dir: str, *, registry: Any = None) -> ResolvedTarget:
     if spec is not None:
         decoder_cls = _import_class(spec.decoder_class)
     else:
-        from pipespec.infer import decoder_class_for_model_type, infer_spec
+        from pipespec.integrations.transformers.infer import decoder_class_for_model_type, infer_spec
 
         decoder_cls = decoder_class_for_model_type(str(config.model_type))
         spec = infer_spec(decoder_cls, model_type=str(config.model_type))
@@ -183,7 +183,7 @@ class TargetStage:
     def new_cache(self, record_past: bool = False) -> Any:
         """A fresh ``StageCache`` for this stage; ``record_past`` keeps sliding-window layers able to roll
         back past their window (speculative decoding crops rejected positions after every step)."""
-        from pipespec.stage_cache import new_stage_cache
+        from pipespec.integrations.transformers.stage_cache import new_stage_cache
 
         return new_stage_cache(self.decoder, record_past=record_past)
 
@@ -235,7 +235,7 @@ def build_target_stage(
     resolved: ResolvedTarget | None = None,
 ) -> TargetStage:
     """Resolve, verify, plan and load stage ``rank`` of a ``pp_size``-stage pipeline (see module doc)."""
-    from pipespec.adapt import adapt, cache_kwarg_name
+    from pipespec.integrations.transformers.adapt import adapt, cache_kwarg_name
 
     device = torch.device(device)
     resolved = resolved or resolve_target(target_dir)

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from pipespec.contract.layout import eagle3_default_aux_ids
 from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig
 from pipespec.engine.draft_checkpoint import AuxConvention, DraftFormat, save_draft_checkpoint
-from pipespec.layout import eagle3_default_aux_ids
 
 __all__ = [
     "TARGET_MODEL_TYPES",

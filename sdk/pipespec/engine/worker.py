@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from pipespec.embed import spec_decode_needs_target_embed
+from pipespec.contract.embed import spec_decode_needs_target_embed
 from pipespec.engine import step as stepmsg
 from pipespec.engine.cuda_graphs import GraphedForwards, GraphMode
 from pipespec.engine.draft_graph import DraftGraphRunner
@@ -704,8 +704,8 @@ def prepare(job: GenerateJob) -> Prepared:
 def check_job(job: GenerateJob) -> Any:
     """The launcher's pre-check: refuse an unsupported model, bad draft or impossible layout before
     starting any stage process (each stage repeats these checks itself). Returns the layout plan."""
-    from pipespec.adapt import adapt
     from pipespec.engine.target import plan_target
+    from pipespec.integrations.transformers.adapt import adapt
 
     prepared = prepare(job)
     adapted = adapt(prepared.resolved.decoder_cls, prepared.resolved.spec)

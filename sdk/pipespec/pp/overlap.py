@@ -69,9 +69,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipespec.intermediate import IntermediateTensors
-from pipespec.layout import LayoutPlan, StagePlan
-from pipespec.mixin import HIDDEN_KEY, RESIDUAL_KEY, hop_keys
+from pipespec.contract.intermediate import IntermediateTensors
+from pipespec.contract.layout import LayoutPlan, StagePlan
+from pipespec.contract.mixin import HIDDEN_KEY, RESIDUAL_KEY, hop_keys
 from pipespec.pp.launch import PeerLostError, StageContext
 from pipespec.pp.transport import HopLayout
 
@@ -82,7 +82,7 @@ __all__ = ["OverlapHop", "OverlapTransport", "plan_overlap_hop"]
 class OverlapHop:
     """The wire order of one hop (stage ``rank`` → ``rank + 1``) in overlap mode.
 
-    >>> from pipespec.layout import plan_layout
+    >>> from pipespec.contract.layout import plan_layout
     >>> hop = plan_overlap_hop(plan_layout(8, 2, aux_layers=[2, 4, 7]).stage(0), has_residual=False)
     >>> hop.aux, hop.aliased, hop.base
     (('aux_hidden_states_0',), 'aux_hidden_states_1', ('hidden_states',))

@@ -1,6 +1,6 @@
 """Stage-to-stage transport: ONE message per hop, ONE broadcast per step, no metadata on the wire.
 
-Hop layout. A non-last stage ``s`` sends the keys ``pipespec.mixin.hop_keys(plan.stage(s), has_residual)``
+Hop layout. A non-last stage ``s`` sends the keys ``pipespec.contract.mixin.hop_keys(plan.stage(s), has_residual)``
 — ``hidden_states``, ``residual`` (vLLM-style models only), the relayed aux keys, then its own aux
 keys — packed back to back in that order into one contiguous buffer of ``len(keys) × B × T × H``
 elements (one dtype)::
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipespec.contract.intermediate import IntermediateTensors
 from pipespec.errors import UsageError
-from pipespec.intermediate import IntermediateTensors
 from pipespec.pp.launch import PeerLostError, StageContext
 
 

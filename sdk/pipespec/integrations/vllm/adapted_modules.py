@@ -38,9 +38,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pipespec
+from pipespec.contract.registry import default_registry
+from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import SpecError, UnsupportedModelError, UsageError
-from pipespec.registry import default_registry
-from pipespec.spec import AdapterSpec
 
 logger = logging.getLogger("pipespec.vllm")
 

@@ -13,7 +13,7 @@ One process = one PP rank of vLLM's own process groups (gloo on 127.0.0.1, ``ini
   ``__dict__``) sets ``supports_aux_hidden_states_over_pp = True``.
 - ``run_stage``: rank r of a PP=2 pair builds its stage of the model under test; rank 0 returns the
   ``IntermediateTensors`` it would send, rank 1 runs on them and returns its aux states. The zoo
-  compares the keys with ``pipespec.layout.plan_layout`` and the values with the PP=1 reference.
+  compares the keys with ``pipespec.contract.layout.plan_layout`` and the values with the PP=1 reference.
 
 Attention: vLLM's attention backends need the metadata and KV cache its model runner builds; without
 them (``set_forward_context(None, ...)``, vLLM's profiling mode) the CPU backend returns the

@@ -2,7 +2,7 @@
 
 The vLLM zoo builds every PP decoder of the installed vLLM through vLLM itself, so it needs a model
 directory per architecture: a ``config.json`` only (weights are filled by the harness, there is no
-tokenizer). The config comes from pipespec's HF tiny recipe (``pipespec.zoo.tiny``: 6 layers, hidden
+tokenizer). The config comes from pipespec's HF tiny recipe (``pipespec.integrations.transformers.zoo.tiny``: 6 layers, hidden
 64, GQA heads, float32) for model types transformers knows, and from the same recipe applied to vLLM's
 own config classes (``vllm/transformers_utils/configs/``) for the types only vLLM knows.
 
@@ -254,10 +254,10 @@ def _takes_any_keyword(config_cls: type) -> bool:
 def tiny_vllm_config(architecture: str, file_stem: str) -> tuple[Any, str]:
     """The tiny float32 HF config that makes vLLM build ``architecture``, and its model type.
 
-    transformers' types go through ``pipespec.zoo.tiny.tiny_config`` (its per-type fixes included);
+    transformers' types go through ``pipespec.integrations.transformers.zoo.tiny.tiny_config`` (its per-type fixes included);
     vLLM's own config classes get the same generic recipe, restricted to the keywords they declare.
     """
-    from pipespec.zoo import tiny as hf_tiny
+    from pipespec.integrations.transformers.zoo import tiny as hf_tiny
 
     model_type = model_type_of(architecture, file_stem)
     fix, _why = ARCH_FIXES.get(architecture, ({}, ""))

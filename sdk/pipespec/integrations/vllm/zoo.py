@@ -7,7 +7,7 @@
 3. Check (``pipespec.integrations.vllm.harness``): one PP=1 worker and one PP=2 pair of processes (vLLM's
    own process groups over gloo on 127.0.0.1) stay alive and every model streams through them, each with
    a timeout; a worker that dies or hangs is restarted. PP=1: aux states == the unadapted model's
-   residual stream. PP=2: rank 0 sends exactly the keys ``pipespec.layout.plan_layout`` says for stage 0,
+   residual stream. PP=2: rank 0 sends exactly the keys ``pipespec.contract.layout.plan_layout`` says for stage 0,
    and rank 1, fed rank 0's tensors, returns aux states equal to the PP=1 reference.
 4. Classify: ``verified`` (adapted, both checks pass), ``supported`` (unchanged and both pass),
    ``declined`` (the codemod's reason), ``failed`` (the exception or the mismatch, never hidden).
@@ -246,7 +246,7 @@ def _environment(reason: str) -> str:
 
 def _check(pool: _Pool, job: Job, row: ZooResult) -> None:
     """Fill ``row`` from the PP=1 and PP=2 checks of ``job``."""
-    from pipespec.layout import plan_layout
+    from pipespec.contract.layout import plan_layout
 
     kind, answer = pool.ask("pp1", ("pp1", (job,)))
     if kind != "ok":  # a mismatch names its check itself ("PP=1: aux id ...", "... at PP=1")
@@ -468,7 +468,7 @@ def coverage_markdown(results: Sequence[ZooResult], verdicts: Sequence[dict[str,
         "`set_current_vllm_config`, `initialize_model`, seeded weights by parameter name) and checked in vLLM's "
         "own process groups (`init_distributed_environment` + `initialize_model_parallel`, gloo on 127.0.0.1): "
         f"PP=1 aux states equal the unadapted model's residual stream (max abs error <= {ATOL:g}); PP=2 (two "
-        "processes, `get_pp_group()`) rank 0 sends exactly the aux keys `pipespec.layout.plan_layout` plans for "
+        "processes, `get_pp_group()`) rank 0 sends exactly the aux keys `pipespec.contract.layout.plan_layout` plans for "
         "stage 0 and rank 1, fed rank 0's tensors, returns aux states equal to the PP=1 reference. Attention "
         "is not exercised: without the model runner's metadata vLLM's attention layers return an unwritten "
         "buffer, so the harness zeroes every attention layer's output in both models; Mamba-1/Mamba-2 "

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from pipespec.contract.spec import AdapterSpec, load_spec
 from pipespec.errors import SpecError
-from pipespec.spec import AdapterSpec, load_spec
 
 ORIGINS = ("builtin", "path", "decorator")
 ENV_VAR = "PIPESPEC_ADAPTERS_PATH"

@@ -34,10 +34,16 @@ from typing import Any
 
 import torch
 
-from pipespec.intermediate import IntermediateTensors
-from pipespec.layout import eagle3_default_aux_ids, plan_layout
-from pipespec.mixin import hop_keys
-from pipespec.zoo.tiny import VOCAB, TinyBuildError, TinyModel, build_tiny_model, causal_lm_model_types
+from pipespec.contract.intermediate import IntermediateTensors
+from pipespec.contract.layout import eagle3_default_aux_ids, plan_layout
+from pipespec.contract.mixin import hop_keys
+from pipespec.integrations.transformers.zoo.tiny import (
+    VOCAB,
+    TinyBuildError,
+    TinyModel,
+    build_tiny_model,
+    causal_lm_model_types,
+)
 
 __all__ = [
     "REL_TOL",
@@ -313,7 +319,7 @@ class InProcessPipeline:
     """An adapted decoder as ``pp_size`` stage instances in one process, handing tensors across.
 
     Each stage is its own instance (built by ``make_stage``), configured as the engine configures a stage
-    process; with ``cache_kwarg`` each also gets its own ``pipespec.stage_cache`` cache, so successive
+    process; with ``cache_kwarg`` each also gets its own ``pipespec.integrations.transformers.stage_cache`` cache, so successive
     ``forward`` calls are prefill then decode steps. Every hop is checked against the layout plan: a
     non-last stage must return ``IntermediateTensors`` with exactly the hop's keys.
     """
@@ -339,7 +345,7 @@ class InProcessPipeline:
             stage.set_aux_hidden_state_layers(aux_ids)  # type: ignore[operator]
             self.stages.append(stage)
             if cache_kwarg is not None:
-                from pipespec.stage_cache import new_stage_cache
+                from pipespec.integrations.transformers.stage_cache import new_stage_cache
 
                 self.caches.append(new_stage_cache(stage))
 
@@ -395,7 +401,7 @@ def classify_forward_shape(decoder_cls: type) -> str:
     A label for the coverage table only (the adaptation does its own, stricter analysis): Python's
     ``ast`` is enough here and ten times faster than a libcst parse, which matters over 196 types.
     """
-    from pipespec.infer import forward_owner
+    from pipespec.integrations.transformers.infer import forward_owner
 
     try:
         owner = forward_owner(decoder_cls)
@@ -460,7 +466,7 @@ def run_type(model_type: str, pp_sizes: Sequence[int] = (1, 2, 3), seed: int = 0
     """Verify, decline or fail one model type. Never raises (except KeyboardInterrupt).
 
     ``decode_steps > 0`` also decodes that many tokens after the prefill, every stage with its own
-    ``pipespec.stage_cache`` cache, against the unadapted model decoding with its own cache.
+    ``pipespec.integrations.transformers.stage_cache`` cache, against the unadapted model decoding with its own cache.
     """
     start = time.perf_counter()
     result = ZooResult(model_type=model_type, status="declined")
@@ -476,9 +482,9 @@ def run_type(model_type: str, pp_sizes: Sequence[int] = (1, 2, 3), seed: int = 0
 
 
 def _run_type(result: ZooResult, pp_sizes: Sequence[int], seed: int, decode_steps: int) -> None:
-    from pipespec.adapt import adapt, cache_kwarg_name
     from pipespec.errors import PipespecError
-    from pipespec.infer import decoder_class_for_model_type
+    from pipespec.integrations.transformers.adapt import adapt, cache_kwarg_name
+    from pipespec.integrations.transformers.infer import decoder_class_for_model_type
 
     model_type = result.model_type
     try:

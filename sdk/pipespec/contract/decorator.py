@@ -6,7 +6,7 @@
 
 The class must inherit ``AuxHiddenStatesMixin`` (its forward calls collect/pack). The decorator marks
 the class itself (``supports_aux_hidden_states_over_pp`` in its own ``__dict__``) and registers a spec
-with the highest precedence (see ``pipespec.registry``).
+with the highest precedence (see ``pipespec.contract.registry``).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from pipespec.contract.mixin import AuxHiddenStatesMixin
+from pipespec.contract.registry import class_path, register_decorated
+from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import SpecError
-from pipespec.mixin import AuxHiddenStatesMixin
-from pipespec.registry import class_path, register_decorated
-from pipespec.spec import AdapterSpec
 
 T = TypeVar("T", bound=type)
 

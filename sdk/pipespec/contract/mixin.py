@@ -26,9 +26,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from pipespec.contract.intermediate import IntermediateTensors
+from pipespec.contract.layout import AUX_KEY_PREFIX, LayoutPlan, StagePlan, plan_layout
 from pipespec.errors import LayoutError
-from pipespec.intermediate import IntermediateTensors
-from pipespec.layout import AUX_KEY_PREFIX, LayoutPlan, StagePlan, plan_layout
 
 HIDDEN_KEY = "hidden_states"
 RESIDUAL_KEY = "residual"

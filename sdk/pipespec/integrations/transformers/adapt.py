@@ -12,7 +12,7 @@ Calling convention (what the engine does, one model instance per stage process):
     model = Model(config)                               # load only this stage's weights
     model.set_pipeline_stage(rank, pp_size, partition)  # which layers [start, end) it runs
     model.set_aux_hidden_state_layers(aux_ids)          # input-index ids, e.g. (2, N//2, N-3)
-    cache = pipespec.stage_cache.new_stage_cache(model) # one per stage; size queries answer from
+    cache = pipespec.integrations.transformers.stage_cache.new_stage_cache(model) # one per stage; size queries answer from
                                                         # this stage's own layers
     kw = {cache_kwarg_name(Model): cache}               # "cache" (5.24) or "past_key_values"
     out = model(
@@ -35,7 +35,6 @@ import inspect
 import linecache
 import sys
 import threading
-import types
 from typing import Any
 
 import libcst as cst
@@ -43,13 +42,13 @@ from libcst.codemod import CodemodContext, SkipFile
 
 from pipespec.codemods.adapt_hf_stage_forward import MARKER_ATTR, AdaptHFStageForwardCommand, marker_text
 from pipespec.codemods.hf_forward_shape import find_forward, walk
+from pipespec.contract.intermediate import IntermediateTensors
+from pipespec.contract.mixin import AuxHiddenStatesMixin
+from pipespec.contract.registry import default_registry
+from pipespec.contract.spec import AdapterSpec
+from pipespec.contract.verify import MARKER
 from pipespec.errors import UnsupportedModelError
-from pipespec.infer import class_source, forward_owner, infer_spec
-from pipespec.intermediate import IntermediateTensors
-from pipespec.mixin import AuxHiddenStatesMixin
-from pipespec.registry import default_registry
-from pipespec.spec import AdapterSpec
-from pipespec.verify import MARKER
+from pipespec.integrations.transformers.infer import class_source, forward_owner, infer_spec
 
 __all__ = ["adapt", "cache_kwarg_name", "spec_for_class"]
 
@@ -162,18 +161,3 @@ def _build(cls: type, spec: AdapterSpec) -> type:
     for attr, value in attrs.items():
         setattr(adapted, attr, value)
     return adapted
-
-
-class _CallableModule(types.ModuleType):
-    """``pipespec.adapt`` is both this module and the function ``adapt``.
-
-    Importing the submodule (``from pipespec.adapt import adapt``) makes the package attribute
-    ``pipespec.adapt`` the module; making the module callable keeps ``pipespec.adapt(cls)`` working
-    whichever of the two a user ends up holding.
-    """
-
-    def __call__(self, cls: type, spec: AdapterSpec | None = None) -> type:
-        return adapt(cls, spec)
-
-
-sys.modules[__name__].__class__ = _CallableModule

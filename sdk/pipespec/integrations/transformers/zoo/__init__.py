@@ -7,8 +7,14 @@ in-process stages and compares with the unadapted model. ``pipespec zoo`` is the
 
 from __future__ import annotations
 
-from pipespec.zoo.runner import REL_TOL, SHAPES, ZooResult, run_type, run_zoo
-from pipespec.zoo.tiny import TinyBuildError, TinyModel, build_tiny_model, causal_lm_model_types, tiny_config
+from pipespec.integrations.transformers.zoo.runner import REL_TOL, SHAPES, ZooResult, run_type, run_zoo
+from pipespec.integrations.transformers.zoo.tiny import (
+    TinyBuildError,
+    TinyModel,
+    build_tiny_model,
+    causal_lm_model_types,
+    tiny_config,
+)
 
 __all__ = [
     "REL_TOL",

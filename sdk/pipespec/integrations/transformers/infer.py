@@ -31,8 +31,8 @@ from pipespec.codemods.hf_forward_shape import (
     rotary_attrs,
     walk,
 )
+from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import UnsupportedModelError, UsageError
-from pipespec.spec import AdapterSpec
 
 _MODEL_TYPE = re.compile(r"[a-z0-9_\-]+")
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipespec.contract.layout import BOUNDARY_RULES, eagle3_default_aux_ids
 from pipespec.errors import SpecError
-from pipespec.layout import BOUNDARY_RULES, eagle3_default_aux_ids
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipespec.embed import METHODS_NEEDING_TARGET_EMBED
+from pipespec.contract.embed import METHODS_NEEDING_TARGET_EMBED
+from pipespec.contract.layout import LayoutPlan, plan_layout
+from pipespec.contract.registry import Registry, class_path, default_registry
+from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import LayoutError, UnsupportedModelError, UsageError
-from pipespec.layout import LayoutPlan, plan_layout
-from pipespec.registry import Registry, class_path, default_registry
-from pipespec.spec import AdapterSpec
 
 MARKER = "supports_aux_hidden_states_over_pp"
 METHODS = tuple(sorted(METHODS_NEEDING_TARGET_EMBED))
