@@ -20,7 +20,9 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from pipespec.engine.draft import DraftKVCache, Eagle3Draft, _apply_rotary, rotary_factors
+from pipespec.engine.draft import DraftKVCache, Eagle3Draft
+from pipespec.engine.draft.rotary import apply_rotary as _apply_rotary
+from pipespec.engine.draft.rotary import rotary_factors
 from pipespec.engine.testing import make_random_draft
 
 ATOL = 2e-5

@@ -44,7 +44,9 @@ from typing import Literal
 import torch
 from torch.nn import functional as F
 
-from pipespec.engine.draft import DraftKVCache, DraftStorage, Eagle3Draft, _Fused, _valid_counts
+from pipespec.engine.draft import DraftKVCache, DraftStorage, Eagle3Draft
+from pipespec.engine.draft.counts import valid_counts
+from pipespec.engine.draft.fused import Fused
 
 __all__ = ["DraftGraphRunner", "GraphMode"]
 
@@ -228,7 +230,7 @@ class DraftGraphRunner:
             if tuple(num_valid.shape) != (bsz,):
                 raise ValueError(f"num_valid has shape {tuple(num_valid.shape)}, expected ({bsz},): one count per row")
             return num_valid, None, False
-        parsed = _valid_counts(num_valid, bsz, steps, torch.device("cpu"), minimum=1)  # validates; host only
+        parsed = valid_counts(num_valid, bsz, steps, torch.device("cpu"), minimum=1)  # validates; host only
         assert parsed is not None
         if parsed.device is None:
             return None, parsed.host, True
@@ -345,7 +347,7 @@ class DraftGraphRunner:
             lengths.copy_(saved)  # the warm-up advanced them; the replay will do it for real
             captured.keep = (fused, draft.__dict__.get("_rope_tab"))
 
-    def _body(self, f: _Fused, captured: _Captured, num_tokens: int) -> Callable[[], None]:
+    def _body(self, f: Fused, captured: _Captured, num_tokens: int) -> Callable[[], None]:
         """``Eagle3Draft.propose`` with fixed shapes and addresses: what a graph captures.
 
         Reads ``feats``, ``ids``, ``counts`` and the storage's rows; writes keys/values at each row's
