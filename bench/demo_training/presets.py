@@ -1,0 +1,71 @@
+"""Every size and step count of a training run (``--preset``) and ``--retrain-draft``'s recipe.
+
+Pure data: imports nothing of torch, transformers or pipespec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Every size and step count of one training run."""
+
+    max_corpus_chars: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    seq_len: int
+    batch_size: int
+    target_steps: int
+    target_lr: float
+    draft_vocab_size: int
+    draft_intermediate_size: int
+    draft_steps: int
+    draft_lr: float
+    ttt_steps: int
+    eval_prompts: int
+    eval_prompt_len: int
+    eval_new_tokens: int
+
+
+PRESETS = {
+    "quick": Preset(
+        max_corpus_chars=400_000, vocab_size=320, hidden_size=48, num_layers=8, num_heads=4, num_kv_heads=2,
+        intermediate_size=96, seq_len=64, batch_size=8, target_steps=120, target_lr=4e-3,
+        draft_vocab_size=192, draft_intermediate_size=96, draft_steps=60, draft_lr=3e-3, ttt_steps=2,
+        eval_prompts=3, eval_prompt_len=32, eval_new_tokens=24,
+    ),
+    "full": Preset(
+        max_corpus_chars=40_000_000, vocab_size=1024, hidden_size=192, num_layers=8, num_heads=6, num_kv_heads=2,
+        intermediate_size=512, seq_len=256, batch_size=64, target_steps=6000, target_lr=2e-3,
+        draft_vocab_size=512, draft_intermediate_size=512, draft_steps=5000, draft_lr=1.5e-3, ttt_steps=3,
+        eval_prompts=24, eval_prompt_len=64, eval_new_tokens=96,
+    ),
+    "medium": Preset(
+        max_corpus_chars=40_000_000, vocab_size=8192, hidden_size=640, num_layers=10, num_heads=10, num_kv_heads=5,
+        intermediate_size=1728, seq_len=512, batch_size=64, target_steps=2200, target_lr=1.2e-3,
+        draft_vocab_size=4096, draft_intermediate_size=1728, draft_steps=1200, draft_lr=1e-3, ttt_steps=3,
+        eval_prompts=10, eval_prompt_len=64, eval_new_tokens=96,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class GenerationRecipe:
+    """How ``--retrain-draft`` builds its data and trains: EAGLE3's recipe on the target's own outputs."""
+
+    sequences: int = 1536
+    prompt_len: int = 24
+    new_tokens: int = 104
+    gen_batch: int = 64
+    steps: int = 1500
+    batch_size: int = 16
+    lr: float = 2e-3
+    draft_vocab_size: int = 512
+    draft_intermediate_size: int = 416  # 512 would put the shipped weights (fp16) just over 8 MB
+    heldout_sequences: int = 64  # generations after held-out-file prompts, never trained on (HeldOut)
