@@ -41,11 +41,12 @@ from pipespec.codemods.hf_forward_shape import (
     ForwardShape,
     ShapeError,
     analyze_forward,
-    assigned_names,
     find_forward,
-    names_in,
     rotary_attrs,
 )
+from pipespec.codemods.hf_layer_loop import loop_control
+from pipespec.codemods.hf_names import assigned_names, names_in
+from pipespec.codemods.scope import FunctionBodyTransformer
 from pipespec.contract.spec import AdapterSpec, load_spec
 
 GENERATOR = "adapt_hf_stage_forward"
@@ -93,14 +94,14 @@ def _guard_first_stage(stmt: cst.BaseStatement, else_alias: str | None) -> cst.I
     )
 
 
-class _ReturnRewriter(cst.CSTTransformer):
-    """``return X`` → bind X, return ``(X, aux)`` when aux ids are configured, else X."""
+class _ReturnRewriter(FunctionBodyTransformer):
+    """``return X`` → bind X, return ``(X, aux)`` when aux ids are configured, else X.
 
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        return False
+    Run on statements of forward's body, so every ``def`` it meets is nested and left alone.
+    """
 
-    def visit_Lambda(self, node: cst.Lambda) -> bool:
-        return False
+    def __init__(self) -> None:
+        super().__init__(inside_function=True)
 
     def leave_SimpleStatementLine(
         self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
@@ -122,37 +123,19 @@ class _ReturnRewriter(cst.CSTTransformer):
 class _CaptureBeforeContinue(cst.CSTTransformer):
     """Before each ``continue`` of the layer loop (LayerDrop), capture as the end of the body would.
 
-    A skipped layer leaves the stream unchanged, so its output id is the stream as it stands.
+    A skipped layer leaves the stream unchanged, so its output id is the stream as it stands. Which
+    ``continue`` is the loop's own (not an inner loop's) is the analysis's ``loop_control``.
     """
 
-    def __init__(self, capture: cst.BaseStatement) -> None:
+    def __init__(self, capture: cst.BaseStatement, loop: cst.For) -> None:
         super().__init__()
         self.capture = capture
-        self.depth = 0
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        return False
-
-    def visit_For(self, node: cst.For) -> bool:
-        self.depth += 1
-        return True
-
-    def leave_For(self, original_node: cst.For, updated_node: cst.For) -> cst.For:
-        self.depth -= 1
-        return updated_node
-
-    def visit_While(self, node: cst.While) -> bool:
-        self.depth += 1
-        return True
-
-    def leave_While(self, original_node: cst.While, updated_node: cst.While) -> cst.While:
-        self.depth -= 1
-        return updated_node
+        self.continues = {id(n) for n in loop_control(loop.body) if isinstance(n, cst.Continue)}
 
     def leave_SimpleStatementLine(
         self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
     ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
-        if self.depth == 0 and any(isinstance(s, cst.Continue) for s in updated_node.body):
+        if any(id(s) in self.continues for s in original_node.body):
             return cst.FlattenSentinel([self.capture.with_changes(leading_lines=updated_node.leading_lines), updated_node.with_changes(leading_lines=())])
         return updated_node
 
@@ -344,7 +327,7 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
         if index_var is None:
             index_var = "layer_idx" if "layer_idx" not in used else "pipespec_layer_idx"
         capture = _stmt(f"if {index_var} in self.aux_capture_after_layers:\n    {AUX_VAR}.append({stream})\n")
-        rewriter = _CaptureBeforeContinue(capture)
+        rewriter = _CaptureBeforeContinue(capture, loop.node)
         body = [stmt.visit(rewriter) for stmt in _as_block(loop.node.body).body]
         body = [x for item in body for x in (item.nodes if isinstance(item, cst.FlattenSentinel) else [item])]
         if loop.form != "range" and loop.layer_var is not None:

@@ -45,6 +45,7 @@ from libcst.helpers import parse_template_statement
 from libcst.metadata import PositionProvider
 
 from pipespec.codemods.import_edits import add_first_party_import, drop_unused_import
+from pipespec.codemods.scope import FunctionBodyTransformer
 from pipespec.codemods.vllm_forward_shape import (
     END,
     START,
@@ -87,24 +88,15 @@ def class_is_marked(node: cst.ClassDef) -> bool:
     return isinstance(node.body, cst.IndentedBlock) and any(m.matches(s, _MARKER_LINE) for s in node.body.body)
 
 
-class _RewriteForward(cst.CSTTransformer):
-    """Rewrite returns and pp-group rank checks inside forward (not inside nested defs)."""
+class _RewriteForward(FunctionBodyTransformer):
+    """Rewrite returns and pp-group rank checks inside forward (not inside nested defs or classes)."""
+
+    ENTER_LAMBDAS = True  # a rank check inside a lambda reads forward's own stage plan too
 
     def __init__(self, nonlast: set[int], last: set[int], aux_value: cst.BaseExpression,
                  tensors_param: str) -> None:
+        super().__init__()
         self.nonlast, self.last, self.aux_value, self.tensors_param = nonlast, last, aux_value, tensors_param
-        self.depth = 0
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        self.depth += 1
-        return self.depth == 1
-
-    def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> cst.FunctionDef:
-        self.depth -= 1
-        return updated_node
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-        return False
 
     def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> cst.BaseExpression:
         attr = original_node.attr.value

@@ -1,6 +1,8 @@
 """Read the shape of a vLLM-style decoder ``forward`` without running it.
 
-Used by ``AdaptVllmForwardCommand``. A forward we can adapt has ONE top-level loop over this stage's
+Used by ``AdaptVllmForwardCommand`` (the ``pipespec`` dialect); its matchers and name helpers
+(``self_attr``, ``names_in``, ``is_docstring``, ``own_scope``) also serve the ``vllm`` dialect's
+``vllm_native_shape`` and ``adapt_vllm_native``. A forward we can adapt has ONE top-level loop over this stage's
 layers, in one of these forms::
 
     for layer in islice(self.layers, self.start_layer, self.end_layer):             # or a slice
@@ -11,6 +13,8 @@ whose body calls the layer once as ``hidden_states = layer(...)`` or ``hidden_st
 layer(...)``; no ``break``/``continue``/``yield``; no return before the loop ends; non-last ranks return
 ``IntermediateTensors({...})`` with a dict literal. Anything else is a ``ShapeError`` carrying the
 specific reason and the node it is about (the codemod turns the node into a line number).
+
+Pure libcst over source text: must not import vllm, torch, or the codemod modules (they import this).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 from libcst.helpers import parse_template_expression
+
+from pipespec.codemods.scope import own_scope  # also imported from here by vllm_native_shape
 
 
 def self_attr(name: str | None = None) -> m.Attribute:
@@ -91,52 +97,6 @@ def assigned_leaves(target: cst.BaseExpression) -> list[cst.BaseExpression]:
     if isinstance(target, (cst.Tuple, cst.List)):
         return [leaf for e in target.elements for leaf in assigned_leaves(e.value)]
     return [target]
-
-
-class _OwnScope(cst.CSTVisitor):
-    """Loops, returns and jumps of a function's own body (nested functions, classes and lambdas are not
-    its code)."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.loops: list[cst.For] = []
-        self.returns: list[cst.Return] = []
-        self.jumps: list[cst.CSTNode] = []
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        self.depth += 1
-        return self.depth == 1
-
-    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
-        self.depth -= 1
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-        return False
-
-    def visit_Lambda(self, node: cst.Lambda) -> bool:
-        return False
-
-    def visit_For(self, node: cst.For) -> None:
-        self.loops.append(node)
-
-    def visit_Return(self, node: cst.Return) -> None:
-        self.returns.append(node)
-
-    def visit_Break(self, node: cst.Break) -> None:
-        self.jumps.append(node)
-
-    def visit_Continue(self, node: cst.Continue) -> None:
-        self.jumps.append(node)
-
-    def visit_Yield(self, node: cst.Yield) -> None:
-        self.jumps.append(node)
-
-
-def own_scope(node: cst.CSTNode) -> _OwnScope:
-    """What ``node``'s own body holds (``_OwnScope``), nested scopes left out."""
-    scope = _OwnScope()
-    node.visit(scope)
-    return scope
 
 
 def is_stage_loop(loop: cst.For) -> bool:

@@ -22,7 +22,7 @@ import transformers
 from libcst.codemod import CodemodContext, CodemodTest, SkipFile
 
 from pipespec.codemods.adapt_hf_stage_forward import MARKER_ATTR, AdaptHFStageForwardCommand
-from pipespec.codemods.hf_forward_shape import walk
+from pipespec.codemods.hf_names import walk
 from pipespec.contract.spec import AdapterSpec
 from pipespec.integrations.transformers.infer import infer_spec
 

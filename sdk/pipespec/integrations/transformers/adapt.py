@@ -41,7 +41,8 @@ import libcst as cst
 from libcst.codemod import CodemodContext, SkipFile
 
 from pipespec.codemods.adapt_hf_stage_forward import MARKER_ATTR, AdaptHFStageForwardCommand, marker_text
-from pipespec.codemods.hf_forward_shape import find_forward, walk
+from pipespec.codemods.hf_forward_shape import find_forward
+from pipespec.codemods.hf_names import walk
 from pipespec.contract.intermediate import IntermediateTensors
 from pipespec.contract.mixin import AuxHiddenStatesMixin
 from pipespec.contract.registry import default_registry

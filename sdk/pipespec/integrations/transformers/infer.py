@@ -26,11 +26,10 @@ from pipespec.codemods.hf_forward_shape import (
     AlreadyStageAware,
     ShapeError,
     analyze_forward,
-    dotted,
     find_forward,
     rotary_attrs,
-    walk,
 )
+from pipespec.codemods.hf_names import dotted, walk
 from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import UnsupportedModelError, UsageError
 
