@@ -196,7 +196,7 @@ def test_training_keeps_the_draft_whose_heldout_acceptance_it_reports() -> None:
     aux = (2, 3, 4)
     gen = torch.Generator().manual_seed(1)
     recipe = GenerationRecipe(sequences=16, prompt_len=6, new_tokens=14, gen_batch=8, steps=30, batch_size=4,
-                                 lr=3e-3, draft_vocab_size=40, draft_intermediate_size=48)
+                              lr=3e-3, draft_vocab_size=40, draft_intermediate_size=48)
     seqs = greedy_generations(target, torch.randint(0, 60, (16, 6), generator=gen), 14, 8, lambda _msg: None)
     feats = aux_features(target, seqs, aux, 8)
     held_prompts = torch.randint(0, 60, (3, 8), generator=gen)
@@ -212,6 +212,32 @@ def test_training_keeps_the_draft_whose_heldout_acceptance_it_reports() -> None:
     assert len(logged) >= 2 and abs(kept["mean_acceptance_length"] - max(logged)) < 5e-4 and max(logged) > 1.0
     steps = [s for p in held_prompts for s in reference_speculative_generate(target, draft, aux, p.tolist(), 12, 3)[1]]
     assert sum(steps) / len(steps) == kept["mean_acceptance_length"]
+
+
+def test_a_capped_run_measures_its_last_step_on_the_heldout_generations_and_keeps_it() -> None:
+    """At ``--max-train-s`` the one draft loop stops after the first step, says so, measures the held-out
+    generations once more for the last step run, and records a capped run whose kept draft is that step's."""
+    from dataclasses import replace
+
+    target = _tiny_target()
+    aux = (2, 3, 4)
+    gen = torch.Generator().manual_seed(2)
+    recipe = GenerationRecipe(sequences=8, prompt_len=6, new_tokens=10, gen_batch=8, steps=5, batch_size=4,
+                              lr=3e-3, draft_vocab_size=40, draft_intermediate_size=48)
+    seqs = greedy_generations(target, torch.randint(0, 60, (8, 6), generator=gen), 10, 8, lambda _msg: None)
+    held = HeldOut.generate(target, torch.randint(0, 60, (2, 8), generator=gen), 8, 3, aux, 8)
+    assert held.seqs.shape == (2, 8 + 8 + 2) and held.prompt_len == 8
+    sizes = replace(PRESETS["quick"], hidden_size=32, num_heads=4, num_kv_heads=2, draft_intermediate_size=48)
+    draft = make_draft(sizes, target.config, draft_vocabulary(seqs[:, 6:].reshape(-1), 60, 40), aux)
+    lines: list[str] = []
+    record = train_draft_on_generations(draft, target, aux_features(target, seqs, aux, 8), seqs, recipe, 3, 0,
+                                        lines.append, max_s=1e-9, held=held)
+    assert (record["steps_run"], record["planned_steps"], record["time_capped"]) == (1, 5, True)
+    assert any("stopping after 1 of 5 steps" in line for line in lines)
+    measured = [line for line in lines if "held-out generations" in line]
+    assert len(measured) == 2 and all(line.startswith("draft  step     0 ") for line in measured)
+    assert record["heldout"]["kept_step"] == 0 and record["heldout_eval_s"] > 0
+    assert record["top1_agreement_counts"].startswith("training batches")
 
 
 @pytest.mark.skipif(not demo_available(), reason="the demo checkpoints are not installed with this package")
