@@ -102,6 +102,13 @@ ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
          "adapter_hidden_size": 64, "deepstack_num_inject_layers": 2},
         "remote-code config: a tiny audio encoder (vLLM's text-only mode cannot skip it: its constructor "
         "calls .item() on the meta device), a Qwen3 language config, the adapter width"),
+    "DeepseekV32ForCausalLM": ({"index_topk": 4, "index_n_heads": 2, "index_head_dim": 16},
+                               "vLLM's DeepseekV32 config check asserts a V3.2 config (index_topk: its sparse "
+                               "indexer's top-k), and the indexer is sized by index_n_heads / index_head_dim"),
+    "Ernie4_5_MoeForCausalLM": ({"tie_word_embeddings": False},
+                                "untied head: with tied embeddings vLLM 0.32's Ernie4_5_MoeForCausalLM calls "
+                                "tie_weights on the PPMissingLayer a non-last PP rank has for its lm_head (a vLLM "
+                                "bug at PP > 1, not patched here); untied, its PP path is what every other model runs"),
     "Glm4MoeForCausalLM": ({"head_dim": 16}, "vLLM reads config.head_dim, which transformers' Glm4MoeConfig derives"),
     "AfmoeForCausalLM": ({"score_func": "softmax", "route_norm": True, "n_group": 1, "topk_group": 1},
                          "vLLM reads the router's remote-code fields (score_func, route_norm, groups)"),

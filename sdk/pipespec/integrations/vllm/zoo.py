@@ -234,6 +234,12 @@ ENVIRONMENT_ERRORS = (
     ("not supported by backend CPU_ATTN", "its attention asks for an option vLLM's CPU attention backend rejects"),
     ("CPUAttentionBackendImpl.__init__() got an unexpected keyword",
      "its attention passes an option vLLM's CPU attention backend does not take"),
+    ("Sparse Attention is not supported on CPU", "its sparse attention has no backend in vLLM's CPU build"),
+    ("WorkspaceManager not initialized", "its attention takes scratch space from vLLM's workspace manager, which "
+     "only vLLM's GPU worker sets up (its CPU worker never does)"),
+    ("_VLRotaryEmbedding.forward_native() takes", "vLLM's CPU rotary path (MRotaryEmbedding.forward_cpu) passes "
+     "`offsets` to forward_native, which this model's override does not take: a bug of vLLM's CPU path (GPU "
+     "builds run forward_cuda); the harness already passes (3, T) mrope positions as vLLM's runner does"),
 )
 
 
