@@ -23,6 +23,9 @@ source uses (``cache`` in 5.24, ``past_key_values`` before).
 
 Shapes it cannot adapt raise ``SkipFile`` with the reason (see ``hf_forward_shape``). Idempotent: a class
 that carries the marker is left as it is.
+
+Imports libcst, ``pipespec.contract.spec`` and the HF analysis (``hf_*``); must not import torch,
+transformers or vllm: it parses the modeling source and never imports or executes it.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from pipespec.codemods.hf_forward_shape import (
     find_forward,
     rotary_attrs,
 )
-from pipespec.codemods.hf_layer_loop import loop_control
+from pipespec.codemods.hf_layer_loop import LoopShape, loop_control
 from pipespec.codemods.hf_names import assigned_names, names_in
 from pipespec.codemods.scope import FunctionBodyTransformer
 from pipespec.contract.spec import AdapterSpec, load_spec
@@ -138,6 +141,68 @@ class _CaptureBeforeContinue(cst.CSTTransformer):
         if any(id(s) in self.continues for s in original_node.body):
             return cst.FlattenSentinel([self.capture.with_changes(leading_lines=updated_node.leading_lines), updated_node.with_changes(leading_lines=())])
         return updated_node
+
+
+def _stage_loop(loop: LoopShape, used: set[str]) -> list[cst.BaseStatement]:
+    """The layer loop over this stage's layers with global ids, the captures around it and the non-last
+    stage's early return; ``used`` are the names forward already uses."""
+    stream = loop.stream
+    index_var = loop.index_var
+    if index_var is None:
+        index_var = "layer_idx" if "layer_idx" not in used else "pipespec_layer_idx"
+    capture = _stmt(f"if {index_var} in self.aux_capture_after_layers:\n    {AUX_VAR}.append({stream})\n")
+    rewriter = _CaptureBeforeContinue(capture, loop.node)
+    body = [stmt.visit(rewriter) for stmt in _as_block(loop.node.body).body]
+    body = [x for item in body for x in (item.nodes if isinstance(item, cst.FlattenSentinel) else [item])]
+    if loop.form != "range" and loop.layer_var is not None:
+        body.insert(0, _stmt(f"{loop.layer_var} = self.{loop.layers_attr}[{index_var}]\n"))
+    body.append(
+        capture.with_changes(leading_lines=[_comment(f"pipespec: aux id {index_var} + 1 is the output of this layer")])
+    )
+    new_loop = loop.node.with_changes(
+        target=cst.Name(index_var),
+        iter=cst.parse_expression("range(self.start_layer, self.end_layer)"),
+        body=_as_block(loop.node.body).with_changes(body=body),
+        leading_lines=(),
+    )
+    before_loop = [
+        _stmt(f"{AUX_VAR} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n").with_changes(
+            leading_lines=[
+                *loop.node.leading_lines,
+                _comment("pipespec: aux states from upstream stages (last stage only), then this stage's, in id order"),
+            ]
+        ),
+        _stmt(f"if self.aux_capture_input:\n    {AUX_VAR}.append({stream})\n"),
+    ]
+    after_loop = _stmt(
+        f"if not self.is_last_stage:\n    return self.make_stage_output({stream}, {AUX_VAR}, intermediate_tensors)\n"
+    ).with_changes(
+        leading_lines=[
+            cst.EmptyLine(indent=False),
+            _comment("pipespec: a non-last stage hands hidden + relayed + own aux states on, before the final norm"),
+        ]
+    )
+    return [*before_loop, new_loop, after_loop]
+
+
+def _stage_input() -> cst.BaseStatement:
+    """The first statement of a stage forward: a later stage takes the received hidden states as its
+    ``inputs_embeds``."""
+    return _stmt(
+        "if not self.is_first_stage:\n"
+        "    if intermediate_tensors is None:\n"
+        "        raise ValueError(\n"
+        '            f"{type(self).__name__} is pipeline stage {self.pipespec_stage.rank}: "\n'
+        '            "pass the previous stage\'s intermediate_tensors"\n'
+        "        )\n"
+        '    inputs_embeds = intermediate_tensors["hidden_states"]\n'
+        "    input_ids = None\n"
+    ).with_changes(
+        leading_lines=[
+            _comment("pipespec: a later stage starts from the hidden states it received; they stand in for"),
+            _comment("inputs_embeds, so masks, positions and rotary embeddings derive from them"),
+        ]
+    )
 
 
 class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
@@ -322,71 +387,17 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
             alias = stream if i == shape.stream_first_assigned and stream != "inputs_embeds" else None
             new[i] = _guard_first_stage(stmts[i], alias)
 
-        # the loop
-        index_var = loop.index_var
-        if index_var is None:
-            index_var = "layer_idx" if "layer_idx" not in used else "pipespec_layer_idx"
-        capture = _stmt(f"if {index_var} in self.aux_capture_after_layers:\n    {AUX_VAR}.append({stream})\n")
-        rewriter = _CaptureBeforeContinue(capture, loop.node)
-        body = [stmt.visit(rewriter) for stmt in _as_block(loop.node.body).body]
-        body = [x for item in body for x in (item.nodes if isinstance(item, cst.FlattenSentinel) else [item])]
-        if loop.form != "range" and loop.layer_var is not None:
-            body.insert(0, _stmt(f"{loop.layer_var} = self.{loop.layers_attr}[{index_var}]\n"))
-        body.append(
-            capture.with_changes(leading_lines=[_comment(f"pipespec: aux id {index_var} + 1 is the output of this layer")])
-        )
-        new_loop = loop.node.with_changes(
-            target=cst.Name(index_var),
-            iter=cst.parse_expression("range(self.start_layer, self.end_layer)"),
-            body=_as_block(loop.node.body).with_changes(body=body),
-            leading_lines=(),
-        )
-        before_loop = [
-            _stmt(f"{AUX_VAR} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n").with_changes(
-                leading_lines=[
-                    *loop.node.leading_lines,
-                    _comment("pipespec: aux states from upstream stages (last stage only), then this stage's, in id order"),
-                ]
-            ),
-            _stmt(f"if self.aux_capture_input:\n    {AUX_VAR}.append({stream})\n"),
-        ]
-        after_loop = _stmt(
-            f"if not self.is_last_stage:\n    return self.make_stage_output({stream}, {AUX_VAR}, intermediate_tensors)\n"
-        ).with_changes(
-            leading_lines=[
-                cst.EmptyLine(indent=False),
-                _comment("pipespec: a non-last stage hands hidden + relayed + own aux states on, before the final norm"),
-            ]
-        )
-        new[loop.index] = [*before_loop, new_loop, after_loop]
-
-        # epilogue: returns
+        # the loop, then the epilogue
+        new[loop.index] = _stage_loop(loop, used)
         if loop.index + 1 < len(stmts) and not stmts[loop.index + 1].leading_lines:
             stmts[loop.index + 1] = stmts[loop.index + 1].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
-        for j in range(loop.index + 1, len(stmts)):
+        for j in range(loop.index + 1, len(stmts)):  # the epilogue: returns hand back the aux states too
             rewritten = stmts[j].visit(_ReturnRewriter())
             new[j] = list(rewritten.nodes) if isinstance(rewritten, cst.FlattenSentinel) else rewritten  # type: ignore[assignment]
-
-        # stage input
-        stage_input = _stmt(
-            "if not self.is_first_stage:\n"
-            "    if intermediate_tensors is None:\n"
-            "        raise ValueError(\n"
-            '            f"{type(self).__name__} is pipeline stage {self.pipespec_stage.rank}: "\n'
-            '            "pass the previous stage\'s intermediate_tensors"\n'
-            "        )\n"
-            '    inputs_embeds = intermediate_tensors["hidden_states"]\n'
-            "    input_ids = None\n"
-        ).with_changes(
-            leading_lines=[
-                _comment("pipespec: a later stage starts from the hidden states it received; they stand in for"),
-                _comment("inputs_embeds, so masks, positions and rotary embeddings derive from them"),
-            ]
-        )
         flat: list[cst.BaseStatement] = []
         for item in new:
             flat.extend(item if isinstance(item, list) else [item])
-        flat.insert(shape.body_start, stage_input)
+        flat.insert(shape.body_start, _stage_input())
         self._check_stream_bound(flat, stream)
 
         decorators = [d for d in func.decorators if not self._dropped(d)]

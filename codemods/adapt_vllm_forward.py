@@ -30,7 +30,8 @@ What the codemod does (docs/codemods.md, "vLLM dialect", has the full before/aft
 
 Anything else raises ``SkipFile`` with the reason and line; a class that is already adapted raises
 ``SkipFile`` starting with ``ALREADY_ADAPTED`` (so running twice changes nothing). The codemod only
-parses source: it never imports or executes the code it transforms.
+parses source: it never imports or executes the code it transforms. Imports libcst,
+``pipespec.contract.spec`` and the codemods' own analysis modules; must not import vllm or torch.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 libcst's ``AddImportsVisitor`` appends after the last import and ``RemoveImportsVisitor`` drops the blank
 line that separated two import blocks; both leave generated code that a project's import linter
 rejects. These two functions place and remove imports the way isort would.
+
+Pure libcst on a parsed module; imports nothing from pipespec (every codemod may import it).
 """
 
 from __future__ import annotations

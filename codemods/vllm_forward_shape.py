@@ -38,8 +38,8 @@ START, END = self_attr("start_layer"), self_attr("end_layer")
 _ISLICE = m.Call(func=m.Name("islice") | m.Attribute(attr=m.Name("islice")),
                  args=[m.Arg(self_attr()), m.Arg(START), m.Arg(END)])
 _SLICE = m.Subscript(value=self_attr(), slice=[m.SubscriptElement(m.Slice(lower=START, upper=END, step=None))])
-_STAGE_LAYERS = _ISLICE | _SLICE
-_ENUMERATE = m.Call(func=m.Name("enumerate"), args=[m.Arg(_STAGE_LAYERS, keyword=None), m.ZeroOrMore()])
+STAGE_LAYERS = _ISLICE | _SLICE
+ENUMERATE = m.Call(func=m.Name("enumerate"), args=[m.Arg(STAGE_LAYERS, keyword=None), m.ZeroOrMore()])
 _RANGE = m.Call(func=m.Name("range"), args=[m.Arg(START), m.Arg(END)])
 _DOCSTRING = m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])
 
@@ -100,7 +100,7 @@ def assigned_leaves(target: cst.BaseExpression) -> list[cst.BaseExpression]:
 
 
 def is_stage_loop(loop: cst.For) -> bool:
-    return m.matches(loop.iter, _STAGE_LAYERS | _ENUMERATE | _RANGE)
+    return m.matches(loop.iter, STAGE_LAYERS | ENUMERATE | _RANGE)
 
 
 def find_layer_loop(fn: cst.FunctionDef) -> int:
@@ -138,7 +138,7 @@ def loop_shape(loop: cst.For, used: set[str]) -> LoopShape:
         idx = target.value
         call = m.Call(func=m.Subscript(value=self_attr(), slice=[m.SubscriptElement(m.Index(m.Name(idx)))]))
     else:
-        enumerated = m.matches(it, _ENUMERATE)
+        enumerated = m.matches(it, ENUMERATE)
         args = cst.ensure_type(it, cst.Call).args if enumerated else ()
         stage_layers = args[0].value if enumerated else it
         layers_attr = cst.ensure_type(m.findall(stage_layers, self_attr())[0], cst.Attribute).attr.value
