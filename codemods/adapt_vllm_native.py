@@ -194,6 +194,7 @@ class _Holder:
     attr: str  # "model", or "model.decoder" through a wrapper
     wrapper: cst.ClassDef | None = None  # the plain class between them (OPTModel), if any
     wrapper_attr: str = ""  # the wrapper's attribute holding the decoder ("decoder")
+    multimodal: bool = False  # a SupportsMultiModal class holding the causal LM as language_model
 
 
 def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = None,
@@ -269,7 +270,7 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
                 for h in held:
                     bases_ready = any(_base_name(b) in eagle3_ready for b in _bases(h.cls))
                     new_h, more = _adapt_holder(replace.get(id(h.cls), h.cls), h.attr, plan.loop.layers_attr, bases_ready,
-                                               _module_type(_module_names(module)))
+                                               _module_type(_module_names(module)), h.multimodal)
                     edits.append((h.cls, new_h))
                     imports |= more
                     eagle3_ready.add(h.cls.name.value)
@@ -282,7 +283,9 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
                 for old, new in edits:
                     replace[id(old)] = new
                 needed |= imports
-                adapted_names += [name, *causal, *(h.wrapper.name.value for h in held if h.wrapper is not None)]
+                changed = {id(old) for old, new in edits if new is not old}
+                named = [h.cls.name.value for h in held if not h.multimodal or id(h.cls) in changed]
+                adapted_names += [name, *named, *(h.wrapper.name.value for h in held if h.wrapper is not None)]
         except Decline as exc:
             status, reason = "declined", f"line {line_of(exc.node)}: {exc.reason}"
         outcomes.append(DecoderOutcome(name, status, "" if status == "adapted" else reason, causal, attr))
@@ -334,7 +337,29 @@ def _holders(top: list[cst.ClassDef], decoder: str) -> list[_Holder]:
             if outer:
                 out.append(_Holder(cls, f"{outer[0]}.{inner[0]}", wrapper, inner[0]))
                 break
+    return out + _multimodal_holders(top, out)
+
+
+def _multimodal_holders(top: list[cst.ClassDef], direct: list[_Holder]) -> list[_Holder]:
+    """Multimodal classes of the file that build a causal LM holding the decoder as their language model
+    (MossAudioModel.language_model = MossQwen3ForCausalLM(...)): the class vLLM's registry builds. vLLM's
+    ``SupportsEagle3`` defaults reach the decoder through ``get_language_model().model`` and its drafter
+    takes the embedding from ``get_language_model()``, so such a class needs only the base."""
+    held = {h.cls.name.value: h for h in direct if h.attr == "model"}
+    out = []
+    for cls in top:
+        if cls.name.value in held or any(cls is h.cls for h in direct) or not _is_multimodal(cls):
+            continue
+        for name, inner in held.items():
+            if name in names_in(cls) and "language_model" in _built_attrs(cls, name):
+                out.append(_Holder(cls, f"language_model.{inner.attr}", multimodal=True))
+                break
     return out
+
+
+def _is_multimodal(cls: cst.ClassDef) -> bool:
+    """``cls`` implements vLLM's ``SupportsMultiModal`` (whose ``get_language_model`` finds the text model)."""
+    return _has_base(cls, "SupportsMultiModal") or "get_language_model" in methods(cls)
 
 
 def _forwards_to(cls: cst.ClassDef, attr: str) -> bool:
@@ -766,8 +791,9 @@ def _check_embed_spec(spec: AdapterSpec | None, name: str | None, node: cst.CSTN
 
 # ---------------------------------------------------------------------------------------- holder
 def _adapt_holder(cls: cst.ClassDef, attr: str, layers_attr: str, bases_ready: bool,
-                  module_type: str) -> tuple[cst.ClassDef, set[str]]:
-    """``SupportsEagle3`` and what vLLM's protocol defaults cannot find on their own."""
+                  module_type: str, multimodal: bool = False) -> tuple[cst.ClassDef, set[str]]:
+    """``SupportsEagle3`` and what vLLM's protocol defaults cannot find on their own (a multimodal holder
+    of the causal LM needs only the base: the defaults go through ``get_language_model().model``)."""
     imports: set[str] = set()
     own = methods(cls)
     body = list(cst.ensure_type(cls.body, cst.IndentedBlock).body)
@@ -777,10 +803,10 @@ def _adapt_holder(cls: cst.ClassDef, attr: str, layers_attr: str, bases_ready: b
             value=m.Attribute(value=m.Name("self")), attr=m.Name("aux_hidden_state_layers")))])])
         new_setter = setter.visit(_SetterFix(direct))
         body = [new_setter if s is setter else s for s in body]  # type: ignore[misc]
-    redirect = attr != "model" or "get_language_model" in own or "language_model" in names_in(cls)
+    redirect = not multimodal and (attr != "model" or "get_language_model" in own or "language_model" in names_in(cls))
     assigns_model = bool(m.findall(cls, m.AssignTarget(self_attr("model")))) or "model" in own
     extra: list[str] = []
-    if attr != "model" and not assigns_model:
+    if attr != "model" and not assigns_model and not multimodal:
         extra.append(f"@property\ndef model(self) -> {module_type}:\n"
                      "    # vLLM's EAGLE drafter reads the target's input embedding through .model\n"
                      f"    return self.{attr}\n")

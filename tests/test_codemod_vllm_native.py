@@ -692,3 +692,26 @@ def test_layer_classes_from_a_module_level_table() -> None:
     assert outcome.status == "declined" and "ToyLayer read it, OtherLayer rebind it" in outcome.reason
     same = source.replace('{"a": ToyLayer, "b": OtherLayer}', '{"a": ToyLayer, "b": ToyLayer}')
     assert "idx + 1, hidden_states, residual\n" in adapt(same).code
+
+
+def test_multimodal_class_holding_the_causal_lm_as_language_model_gets_eagle3() -> None:
+    """MOSS-Audio: vLLM's registry builds MossAudioModel, whose `language_model` is the causal LM holding
+    the decoder. It gets `SupportsEagle3` only: vLLM's protocol defaults reach the decoder through
+    `get_language_model().model`, and its drafter takes the embedding from `get_language_model()`."""
+    outer = ('\n\n    class ToyAudioModel(nn.Module, SupportsMultiModal, SupportsPP):\n'
+             '        def __init__(self, *, vllm_config, prefix=""):\n            super().__init__()\n'
+             '            with self._mark_language_model(vllm_config):\n'
+             '                self.language_model = ToyForCausalLM(vllm_config=vllm_config, prefix=prefix)\n\n'
+             '        def compute_logits(self, hidden_states):\n'
+             '            return self.language_model.compute_logits(hidden_states)\n')
+    source = (HEAD + _LOOP + TAIL + outer).replace("import SupportsPP", "import SupportsMultiModal, SupportsPP")
+    result = adapt(source)
+    (outcome,) = result.decoders
+    assert (outcome.status, outcome.causal_lm) == ("adapted", ("ToyForCausalLM", "ToyAudioModel"))
+    code = result.code
+    assert "class ToyAudioModel(nn.Module, SupportsMultiModal, SupportsPP, SupportsEagle3):" in code
+    audio = code[code.index("class ToyAudioModel"):]
+    assert "set_aux_hidden_state_layers" not in audio and "def model(" not in audio
+    assert adapt_vllm_module(code, label="toy.py").code == code
+    plain = adapt(source.replace(", SupportsMultiModal, SupportsPP):", ", SupportsPP):"))  # not multimodal: not a holder
+    assert plain.decoders[0].causal_lm == ("ToyForCausalLM",)

@@ -102,6 +102,16 @@ ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
          "adapter_hidden_size": 64, "deepstack_num_inject_layers": 2},
         "remote-code config: a tiny audio encoder (vLLM's text-only mode cannot skip it: its constructor "
         "calls .item() on the meta device), a Qwen3 language config, the adapter width"),
+    "DeepseekV4ForCausalLM": ({**_MOE, "n_routed_experts": 4, "n_shared_experts": 1, "hc_mult": 2, "hc_eps": 1e-6,
+                               "hc_sinkhorn_iters": 2, "num_hash_layers": 0, "swiglu_limit": None,
+                               "scoring_func": "softmax", "topk_method": None, "routed_scaling_factor": 1.0,
+                               "q_lora_rank": 32, "o_lora_rank": 16, "o_groups": 2, "qk_rope_head_dim": 8,
+                               "head_dim": 16, "sliding_window": 4, "compress_ratios": [0] * 6,
+                               "compress_rope_theta": 10000.0, "index_topk": 4, "index_n_heads": 2,
+                               "index_head_dim": 16, "max_position_embeddings": 128},
+                              "the checkpoint's own fields (vLLM's DeepseekV4Config takes them as **kwargs): "
+                              "hyper-connections (hc_mult streams, Sinkhorn iterations, eps), MoE without hash "
+                              "layers, low-rank q/o projections in o_groups, sliding window, no compression"),
     "DeepseekV32ForCausalLM": ({"index_topk": 4, "index_n_heads": 2, "index_head_dim": 16},
                                "vLLM's DeepseekV32 config check asserts a V3.2 config (index_topk: its sparse "
                                "indexer's top-k), and the indexer is sized by index_n_heads / index_head_dim"),
