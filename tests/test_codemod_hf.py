@@ -229,6 +229,37 @@ class TestAdaptHFStageForward(CodemodTest):
         assert skip in code
         assert code.count("if idx in self.aux_capture_after_layers:") == 2
 
+    def test_continue_of_an_inner_loop_gets_no_capture(self) -> None:
+        """Only the layer loop's own `continue` skips a layer; one that ends an inner loop's step does not."""
+        code, _ = run(
+            tiny_module(
+                """
+                def forward(self, input_ids=None, inputs_embeds=None):
+                    if inputs_embeds is None:
+                        inputs_embeds = self.embed_tokens(input_ids)
+                    hidden_states = inputs_embeds
+                    for idx, decoder_layer in enumerate(self.layers):
+                        while self.hooks_pending(idx):
+                            if self.hook_done(idx):
+                                continue
+                            self.run_hook(idx)
+                        if self.skip_layer[idx]:
+                            continue
+                        hidden_states = decoder_layer(hidden_states)
+                    return self.norm(hidden_states)
+                """
+            )
+        )
+        inner = "                if self.hook_done(idx):\n                    continue\n"
+        own = (
+            "            if self.skip_layer[idx]:\n"
+            "                if idx in self.aux_capture_after_layers:\n"
+            "                    pipespec_aux_hidden_states.append(hidden_states)\n"
+            "                continue\n"
+        )
+        assert inner in code and own in code
+        assert code.count("if idx in self.aux_capture_after_layers:") == 2
+
     def test_second_run_changes_nothing(self) -> None:
         """Idempotent: T(T(x)) == T(x), no warnings for a class this spec already adapted."""
         once, _ = run(tiny_module(TINY_FORWARD))
