@@ -19,18 +19,17 @@ from hypothesis import strategies as st
 
 from pipespec.cli import main
 from pipespec.contract.intermediate import IntermediateTensors
-from pipespec.integrations.transformers.zoo import runner, tiny
-from pipespec.integrations.transformers.zoo.runner import (
-    classify_forward_shape,
-    compare_stage_outputs,
+from pipespec.integrations.transformers.zoo import check, compare, tiny
+from pipespec.integrations.transformers.zoo.check import run_type
+from pipespec.integrations.transformers.zoo.compare import compare_stage_outputs
+from pipespec.integrations.transformers.zoo.reference import (
+    BATCH,
     find_decoder,
     make_input_ids,
     run_reference,
-    run_stages,
-    run_type,
-    uneven_partition,
-    zoo_aux_ids,
 )
+from pipespec.integrations.transformers.zoo.shapes import classify_forward_shape
+from pipespec.integrations.transformers.zoo.stages import InProcessPipeline, uneven_partition, zoo_aux_ids
 from pipespec.integrations.transformers.zoo.tiny import TinyBuildError, build_tiny_model, tiny_config
 
 # Adaptable families the issue names, one hybrid (Mamba + attention), and two that must be declined:
@@ -100,7 +99,7 @@ def test_latent_attention_needs_kv_heads_equal_heads():
 def test_per_type_fix_is_recorded():
     built = build_tiny_model("musicgen")
     assert built.fixes == ("musicgen",)
-    assert make_input_ids(built).shape[0] == runner.BATCH * built.model.config.num_codebooks
+    assert make_input_ids(built).shape[0] == BATCH * built.model.config.num_codebooks
 
 
 def test_oversized_recipe_is_refused_before_allocating(monkeypatch):
@@ -133,7 +132,7 @@ def llama_setup():
     ids = make_input_ids(built)
     with torch.no_grad():
         reference = run_reference(decoder, "layers", "norm", ids)
-    template = runner._make_adapted_instance(adapted, decoder)
+    template = check._make_adapted_instance(adapted, decoder)
     return decoder, adapted, template, ids, reference
 
 
@@ -153,13 +152,13 @@ def test_reference_follows_the_contract(llama_setup):
 def test_correct_stages_agree_and_wrong_id_mapping_is_caught(llama_setup):
     _, _, template, ids, reference = llama_setup
     partition, aux = [1, 2, 3], [0, 1, 3, 6]
-    final, aux_list = run_stages(lambda: copy.deepcopy(template), ids, 3, partition, aux)
+    final, aux_list = InProcessPipeline(lambda: copy.deepcopy(template), 3, partition, aux).forward(ids)
     problems, abs_err, _ = compare_stage_outputs(final, aux_list, aux, reference)
     assert problems == [] and abs_err <= 1e-6
 
     # The checkpoint-convention trap: the states of ids 1 and 3 labelled one layer later (2 and 4).
     problems, _, rel = compare_stage_outputs(final, aux_list, [0, 2, 4, 6], reference)
-    assert rel > runner.REL_TOL
+    assert rel > compare.REL_TOL
     assert [p.split(":")[0] for p in problems] == ["aux id 2", "aux id 4"]
     # Slots in the wrong order.
     problems, _, _ = compare_stage_outputs(final, aux_list[::-1], aux, reference)
@@ -277,9 +276,9 @@ def test_zero_stages_is_a_usage_error(capsys):
 
 
 def test_progress_bar_only_on_a_terminal():
-    from pipespec.cli.zoo import _Progress
+    from pipespec.cli.zoo_transformers import _Progress
 
-    result = runner.ZooResult(model_type="llama", status="verified")
+    result = check.ZooResult(model_type="llama", status="verified")
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:

@@ -80,28 +80,7 @@ def _run_adapt(args: argparse.Namespace) -> int:
         raise _conflict(modes[0], modes[1], "choose one mode (--diff, --out FILE, --in-place or --check)")
     if args.out is not None and modes and modes[0] != "--check":
         raise _conflict("--out", modes[0], "choose one mode (--diff, --out FILE, --in-place or --check [--out FILE])")
-    if args.hf is not None:
-        if args.target:
-            raise _conflict("--hf", f"a source file ({args.target[0]})", "give either FILE --class NAME or --hf MODEL_TYPE")
-        if args.in_place:
-            raise UsageError("--in-place with --hf would rewrite the installed transformers: use --out FILE")
-        if args.dialect in ("vllm", "pipespec"):
-            raise UsageError(f"--dialect {args.dialect} with --hf: installed transformers modules are the hf dialect")
-        target = codegen.load_hf_target(args.hf, args.class_name)
-        dialect = "hf"
-    else:
-        if not args.target:
-            raise UsageError("no source file: give FILE --class NAME, --hf MODEL_TYPE, or `new MODEL_TYPE` (see --help)")
-        if len(args.target) > 1:
-            raise UsageError(f"one source file at a time, got {len(args.target)}: {' '.join(args.target)}")
-        target = codegen.load_target(args.target[0], args.class_name)
-        if target.class_name is None:
-            dialect = args.dialect or codegen.detect_module_dialect(target.module)
-            if dialect != "vllm":
-                raise UsageError(f"{args.target[0]}: --class NAME is required for the {dialect} dialect "
-                                 "(the decoder-stack class to adapt)")
-        else:
-            dialect = args.dialect or codegen.detect_module_dialect(target.module)
+    target, dialect = _target_and_dialect(args)
     if args.out is not None and not args.check:
         parent = Path(args.out).parent
         if not parent.is_dir():
@@ -133,6 +112,30 @@ def _run_adapt(args: argparse.Namespace) -> int:
     what = target.class_name or ", ".join(d.class_name for d in outcome.decoders if d.status == "adapted")
     print(f"{PROG}: wrote {write_to} ({what}, {outcome.dialect} dialect, spec {outcome.spec_label})", file=sys.stderr)
     return 0
+
+
+def _target_and_dialect(args: argparse.Namespace) -> tuple[Target, str]:
+    """The source to adapt (FILE, or ``--hf MODEL_TYPE``'s installed module) and its dialect."""
+    from pipespec import codegen
+
+    if args.hf is not None:
+        if args.target:
+            raise _conflict("--hf", f"a source file ({args.target[0]})", "give either FILE --class NAME or --hf MODEL_TYPE")
+        if args.in_place:
+            raise UsageError("--in-place with --hf would rewrite the installed transformers: use --out FILE")
+        if args.dialect in ("vllm", "pipespec"):
+            raise UsageError(f"--dialect {args.dialect} with --hf: installed transformers modules are the hf dialect")
+        return codegen.load_hf_target(args.hf, args.class_name), "hf"
+    if not args.target:
+        raise UsageError("no source file: give FILE --class NAME, --hf MODEL_TYPE, or `new MODEL_TYPE` (see --help)")
+    if len(args.target) > 1:
+        raise UsageError(f"one source file at a time, got {len(args.target)}: {' '.join(args.target)}")
+    target = codegen.load_target(args.target[0], args.class_name)
+    dialect = args.dialect or codegen.detect_module_dialect(target.module)
+    if target.class_name is None and dialect != "vllm":
+        raise UsageError(f"{args.target[0]}: --class NAME is required for the {dialect} dialect "
+                         "(the decoder-stack class to adapt)")
+    return target, dialect
 
 
 def _check(args: argparse.Namespace, target: Target, outcome: Outcome) -> int:
