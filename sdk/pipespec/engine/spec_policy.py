@@ -14,11 +14,25 @@ threshold for the same effect). ``--spec-policy adaptive`` measures instead of g
 * it runs in *windows* of ``W`` measured rounds: one window of the mode it runs now, one of the other
   (after a switch it skips the rounds still in flight from the old mode), then the faster mode (tokens
   per second) runs for ``exploit`` times the seconds the slower one cost in that cycle, then both are
-  measured again. A change of load by ``load_ratio`` (2x) or more since the cycle began — the number of
-  running sequences, when the engine passes it: sequences finishing, new ones arriving — starts a new
-  measuring cycle at once: rates measured with 8 sequences say little about 2 (on 2x H200 the sequences left at the end of a fixed batch were the ones
-  drafting accepted least, and the winner at full load was the loser for them). While the same mode keeps winning, that factor doubles (up to ``max_exploit``), so
+  measured again. While the same mode keeps winning, that factor doubles (up to ``max_exploit``), so
   probing the losing mode costs at most 1/7 of the time at first, then a few percent;
+* a change of load by ``load_ratio`` (2x) or more since the cycle began — the number of running
+  sequences, when the engine passes it: sequences finishing, new ones arriving — is looked at again at
+  once: rates measured with 8 sequences say little about 2 (on 2x H200 the sequences left at the end of
+  a fixed batch were the ones drafting accepted least, and the winner at full load was the loser for
+  them). But what was measured is not thrown away: every cycle that measured both modes leaves, keyed
+  by its load, the *round-cost ratio* ρ — a drafting round's seconds per row over a plain round's. Drafting
+  beats plain decoding exactly when its acceptance τ (tokens per row and round) exceeds ρ, and ρ does
+  not grow as the rows shrink (fewer rows make the k + 1 verified positions cheaper relative to one,
+  never dearer: a forward moves from compute- towards weights- and launch-bound). So while drafting is
+  the standing winner and the load moves to one at or below a load measured before, the policy only
+  measures drafting's τ there (drafting runs anyway) and keeps drafting, without a plain round, while
+  τ beats the ρ carried from the nearest measured load at or above it by ``margin``; only a τ that
+  falls short (within ``bound_windows`` pooled windows) sends it to measure plain decoding at the new
+  load. Before this, a fixed batch's tail (8 -> 4 -> 2 -> 1 running sequences) measured plain decoding
+  at every halving — 19 plain rounds and 6 switches in a 153-round run at c = 8 on one H200, where
+  drafting won by 1.2x, and adaptive lost 11 % to ``always``. The periodic re-measuring stays, so a
+  wrong ρ bound costs at most one exploit period;
 * the first ``warmup`` rounds after the start are not measured: a fresh stage's first decode rounds
   pay one-time costs (first-touch memory, allocator growth; 1.6x a steady round on the 2-core CPU
   machine for its first 5 rounds), and a first window measured on them made drafting look 2.6x
@@ -104,8 +118,10 @@ class SpecPolicy:
     the estimate is given up on and plain decoding is measured (while drafting is ahead of the estimate
     at all: on one H200 at c = 1 single 4-round windows fell below 1.5x it about once a run, and each
     time 6 plain rounds and a draft catch-up cost ~6 % of the run); ``load_ratio``: the change in
-    running sequences (either way) that restarts the measuring; ``warmup``: rounds left unmeasured at
-    the start (the worker passes a few per micro-batch).
+    running sequences (either way) that restarts the measuring, or, while drafting wins and a ratio
+    measured at a load at or above the new one is known, checks drafting's acceptance against it
+    (``load_checks`` counts the changes settled so, without a plain round); ``warmup``: rounds left
+    unmeasured at the start (the worker passes a few per micro-batch).
     """
 
     policy: Policy = "adaptive"
@@ -126,6 +142,7 @@ class SpecPolicy:
     plain_rounds: int = 0
     spec_rounds: int = 0
     load_changes: int = 0
+    load_checks: int = 0
     _mode: bool = True  # the mode being run now: True = speculate
     _measuring: list[bool] = field(default_factory=lambda: [True, False, True])  # blocks still to measure, in order
     _skip: int = 0  # rounds still to skip after a switch
@@ -145,6 +162,9 @@ class SpecPolicy:
     _decision_count: int = 0
     _round_costs: list[list[float]] = field(default_factory=list)
     _exploit_s: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})  # seconds outside measuring
+    _ratios: dict[int, float] = field(default_factory=dict)  # load -> drafting's ÷ plain's seconds per row and round
+    _check: tuple[float, int] | None = None  # (ratio, the load it was measured at) a load change is checked against
+    _resume_until: float = 0.0  # the exploit period a load check resumes when it passes
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -184,7 +204,7 @@ class SpecPolicy:
             at = now - self._start if self._start is not None else 0.0
             self._decisions.append({"round": self._rounds, "at_s": round(at, 4),
                                     "mode": "speculate" if self._mode else "plain", "reason": reason,
-                                    **{k: round(v, 1) for k, v in rates.items()}})
+                                    **{k: round(v, 2) for k, v in rates.items()}})
 
     def record(self, speculated: bool, tokens: int, now: float, prefill: bool = False, rows: int = 0,
                draft_seconds: float = 0.0, load: int | None = None) -> None:
@@ -211,8 +231,12 @@ class SpecPolicy:
                                  or load >= self._load * self.load_ratio):
             if self._load is not None:
                 self.load_changes += 1
-                self._start_measuring()
-                self._note(now, f"load {self._load} -> {load} running sequences: measuring again")
+                carried = self.carried_ratio(load)
+                if carried is not None and self._mode and self._best is True:
+                    self._start_check(now, self._load, load, carried)
+                else:
+                    self._start_measuring()
+                    self._note(now, f"load {self._load} -> {load} running sequences: measuring again")
             self._load = load
             return
         if not self._measuring:  # exploiting the winner
@@ -237,6 +261,8 @@ class SpecPolicy:
         self._block = 0
         self._measuring.pop(0)
         spec, plain = self._measured[True], self._measured[False]
+        if self._check is not None and speculated and self._checked(now, spec):
+            return
         slack = self.few_rows_slack if spec.rows <= self.few_rows * spec.rounds else self.bound_slack
         if speculated and self._measuring and w.rows and spec.rate > spec.plain_bound * slack:
             # Drafting beats plain decoding's estimated best by far: no need to run plain to know.
@@ -259,14 +285,58 @@ class SpecPolicy:
             return
         self._decide(now, spec.rate, plain.rate)
 
+    def carried_ratio(self, load: int) -> tuple[float, int] | None:
+        """The round-cost ratio ρ measured at the smallest load at or above ``load`` (an upper bound on ρ
+        at ``load``: it does not grow as the rows shrink), and that load; None when none was measured."""
+        above = [measured for measured in self._ratios if measured >= load]
+        if not above:
+            return None
+        at = min(above)
+        return self._ratios[at], at
+
+    def _start_check(self, now: float, old: int, load: int, carried: tuple[float, int]) -> None:
+        """The load moved while drafting wins: measure drafting alone at the new load, and keep it (and the
+        exploit period that was running) while its acceptance beats the carried ratio."""
+        self._resume_until = self._exploit_until
+        self._start_measuring()
+        self._measuring = [True]
+        self._check = carried
+        self._note(now, f"load {old} -> {load} running sequences: checking drafting's acceptance against the "
+                        f"round-cost ratio {carried[0]:.2f} measured at load {carried[1]}")
+
+    def _checked(self, now: float, spec: _Window) -> bool:
+        """A drafting window of a load check is complete: True when that settled it (drafting kept, or
+        another window pooled), False when plain decoding has to be measured at the new load after all."""
+        assert self._check is not None
+        ratio, at = self._check
+        tau = spec.tokens / spec.rows if spec.rows else 0.0
+        if tau >= ratio * (1 + self.margin):
+            self._check = None
+            self.load_checks += 1
+            self._measuring, self._exploit_until = [], max(self._resume_until, now)
+            self._note(now, f"drafting's acceptance beats the round-cost ratio measured at load {at}: plain not run",
+                       tokens_per_row=tau, ratio=ratio, speculate_tps=spec.rate)
+            return True
+        if tau > ratio and spec.rounds < self.bound_windows * self.window:
+            self._measuring.insert(0, True)  # ahead, but not by the margin yet: pool another window
+            return True
+        self._check = None
+        self._measuring = [False, True]  # measure plain decoding at this load after all, then drafting again
+        return False
+
     def _clear(self, spec: float, plain: float) -> bool:
         """Whether one block of each mode differs by ``clear`` or more (either way)."""
         low, high = sorted((spec, plain))
         return low <= 0 or high >= low * self.clear
 
     def _decide(self, now: float, spec: float, plain: float) -> None:
-        """Both modes measured this cycle: run the faster for a time set by how much the slower costs."""
+        """Both modes measured this cycle: run the faster for a time set by how much the slower costs, and
+        keep the round-cost ratio for the load it was measured at."""
         self._decided, self._plain_bounded = (spec, plain), False
+        measured_spec, measured_plain = self._measured[True], self._measured[False]
+        if self._load is not None and measured_spec.rows and measured_plain.rows and measured_plain.seconds > 0:
+            self._ratios[self._load] = ((measured_spec.seconds / measured_spec.rows)
+                                        / (measured_plain.seconds / measured_plain.rows))
         current = True if self._best is None else self._best  # hysteresis: the standing winner keeps ties
         other = plain if current else spec
         mine = spec if current else plain
@@ -290,6 +360,7 @@ class SpecPolicy:
         mode's block bracketed by two of the current one, so a machine that slows down or speeds up during
         the cycle (other processes on a shared CPU) moves both modes' figures alike."""
         self._measuring = [self._mode, not self._mode, self._mode]
+        self._check = None
         self._measured = {True: _Window(), False: _Window()}
         self._spent = {True: 0.0, False: 0.0}
         self._block = 0
@@ -301,9 +372,12 @@ class SpecPolicy:
                 "plain_bound": self._plain_bounded}
 
     def trace(self) -> dict[str, Any]:
-        """The decision trace for ``--json``: rounds per mode, switches, load restarts, and each decision
+        """The decision trace for ``--json``: rounds per mode, switches, load changes (and how many of them
+        a check of drafting's acceptance settled), the round-cost ratio per measured load, and each decision
         (round, seconds since the first round, the mode chosen, why, and the rates behind it)."""
         return {"spec_rounds": self.spec_rounds, "plain_rounds": self.plain_rounds, "switches": self.switches,
-                "load_changes": self.load_changes, "decisions": self._decision_count,
+                "load_changes": self.load_changes, "load_checks": self.load_checks,
+                "ratios": {str(load): round(r, 3) for load, r in sorted(self._ratios.items())},
+                "decisions": self._decision_count,
                 "exploit_s": {"speculate": round(self._exploit_s[True], 4), "plain": round(self._exploit_s[False], 4)},
                 "trace": list(self._decisions), "rounds": list(self._round_costs)}
