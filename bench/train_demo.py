@@ -7,11 +7,12 @@ machine with Python has it), seeded::
     python bench/train_demo.py --out /tmp/demo --device cuda      # the shipped size (a few min on one GPU)
     python bench/train_demo.py --out /tmp/pair --device cuda --preset medium --max-train-s 200
                                                                   # a ~51M target for GPU speedup runs (~5 min on one H200)
-    python bench/train_demo.py --retrain-draft sdk/pipespec/demo --out /tmp/d2 --device cuda --gen-sequences 131072 \
-        --gen-batch 4096 --gen-prompt-len 12 --gen-new-tokens 148 --heldout-sequences 256 --draft-steps 5000 \
-        --batch-size 256 --max-train-s 220
+    python bench/train_demo.py --retrain-draft sdk/pipespec/demo --out /tmp/d4 --device cuda --threads 8 \
+        --gen-sequences 131072 --gen-batch 4096 --gen-prompt-len 12 --gen-new-tokens 148 --heldout-sequences 256 \
+        --draft-steps 8000 --batch-size 256 --draft-lr 2e-3 --eval-prompts 24 --max-train-s 250
                                                                   # keep the demo target, train a new draft on
-                                                                  # the target's own greedy generations
+                                                                  # the target's own greedy generations: the
+                                                                  # shipped draft (~6 min on one H200)
 
 ``--retrain-draft DIR`` is EAGLE3's recipe proper: the target (DIR/target, kept and copied to OUT) writes
 greedy continuations of prompts from the training files, its aux states over them are computed once,
@@ -31,6 +32,12 @@ in-vocabulary labels, 0.69/0.55 counting every label, and ``verify_walk`` over t
 now draws distinct prompts, generates ``--heldout-sequences`` continuations of held-out-file prompts that
 are never trained on, logs their replayed acceptance (the figure inference measures) beside the training
 batches' agreement, and keeps the draft of the logged step where it was best.
+
+The shipped draft (2026-12-01, one H200, the command above) replays 2.47 tokens per step on 256 held-out
+generations and measures 2.47 on the 24 held-out evaluation prompts (k = 3), up from 2.31 / 2.28 for the
+same command with a 512-token draft vocabulary (which covered 93.1% of the target's generated tokens) and
+an MLP of 416 at 5000 steps; the training agreement per TTT step stopped near 0.72–0.73 in both, which
+reads as the draft's capacity (0.6M parameters beside a 3.3M target), not the data.
 
 The code lives in ``bench/demo_training/``, a module per step below (its ``__init__`` lists them); this
 file is the command.
@@ -172,6 +179,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--heldout-sequences", type=positive_int,
                         help="--retrain-draft: generations after held-out-file prompts, never trained on, on which "
                              "acceptance is replayed during training and the best draft kept (default 64)")
+    parser.add_argument("--draft-vocab-size", type=positive_int,
+                        help="--retrain-draft: the draft's vocabulary, the target's most generated tokens (default "
+                             "1024, capped at the target's vocabulary)")
+    parser.add_argument("--draft-intermediate-size", type=positive_int,
+                        help="--retrain-draft: the draft layer's MLP width (default 256)")
     parser.add_argument("--json", action="store_true", help="print metrics.json to stdout at the end")
     return parser.parse_args(argv)
 

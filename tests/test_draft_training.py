@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from pipespec.demo import demo_available, demo_draft_dir, demo_target_dir
 from pipespec.engine.draft_checkpoint import TargetInfo, inspect_draft_checkpoint, load_draft_checkpoint
-from pipespec.engine.testing import make_random_draft, reference_speculative_generate
+from pipespec.engine.reference import reference_speculative_generate
+from pipespec.engine.tiny_checkpoints import make_random_draft
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # ``bench`` is the repository's, not an installed package
@@ -118,7 +119,7 @@ def test_lr_schedule_warms_up_then_decays_to_a_tenth() -> None:
 @pytest.mark.skipif(not demo_available(), reason="the demo checkpoints are not installed with this package")
 def test_shipped_demo_pair_is_small_loadable_and_documented() -> None:
     sizes = sum(f.stat().st_size for d in (demo_target_dir(), demo_draft_dir()) for f in d.rglob("*") if f.is_file())
-    assert sizes <= 10_000_000
+    assert sizes <= 8_000_000  # issue 16: the shipped weights stay small (8 MB)
     tok = AutoTokenizer.from_pretrained(demo_target_dir())
     text = "def main():\n    return 0\n"
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
@@ -126,7 +127,7 @@ def test_shipped_demo_pair_is_small_loadable_and_documented() -> None:
     assert sum(p.numel() for p in target.parameters()) <= 4_000_000
     info = inspect_draft_checkpoint(demo_draft_dir(), TargetInfo.from_config(target.config))
     assert info.format == "B" and info.aux_layers == (2, 4, 5) and info.aux_convention == "input"
-    assert not info.has_embedding and info.config.draft_vocab_size < target.config.vocab_size
+    assert not info.has_embedding and info.config.draft_vocab_size <= target.config.vocab_size
 
 
 @pytest.mark.timeout(300)

@@ -66,6 +66,9 @@ class GenerationRecipe:
     steps: int = 1500
     batch_size: int = 16
     lr: float = 2e-3
-    draft_vocab_size: int = 512
-    draft_intermediate_size: int = 416  # 512 would put the shipped weights (fp16) just over 8 MB
+    # The full vocabulary of the demo target: 512 tokens covered only 93.1% of its generations, and held-out
+    # acceptance rose from 2.31 to 2.47 with it (docs/benchmarks.md); the MLP pays for the wider head, so
+    # the shipped weights (fp16) stay under 8 MB.
+    draft_vocab_size: int = 1024
+    draft_intermediate_size: int = 256
     heldout_sequences: int = 64  # generations after held-out-file prompts, never trained on (HeldOut)

@@ -34,7 +34,8 @@ from pipespec.engine.draft import Eagle3Draft
 Log = Callable[[str], None]
 _RECIPE_FLAGS = (("sequences", "gen_sequences"), ("steps", "draft_steps"), ("batch_size", "batch_size"),
                  ("lr", "draft_lr"), ("gen_batch", "gen_batch"), ("heldout_sequences", "heldout_sequences"),
-                 ("prompt_len", "gen_prompt_len"), ("new_tokens", "gen_new_tokens"))
+                 ("prompt_len", "gen_prompt_len"), ("new_tokens", "gen_new_tokens"),
+                 ("draft_vocab_size", "draft_vocab_size"), ("draft_intermediate_size", "draft_intermediate_size"))
 
 
 def recipe_from_args(args: argparse.Namespace) -> GenerationRecipe:
