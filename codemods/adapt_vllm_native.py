@@ -258,7 +258,7 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
         try:
             status, reason = _judge(dec)
             if status == "adapted":
-                plan = forward_plan(dec, line_of)
+                plan = forward_plan(dec, line_of, lookup)
                 if (plan.residual is not None and not plan.own_capture and plan.before_capture is None
                         and not residual_read(dec, plan, lookup)):
                     plan = replace_plan(plan, stale_residual=True)

@@ -199,12 +199,14 @@ def sent_stream(body: Sequence[cst.BaseStatement], nonlast: Sequence[cst.Return]
 
 def _dict_entries(ret: cst.Return, body: Sequence[cst.BaseStatement]) -> dict[str, cst.BaseExpression]:
     """The entries of ``IntermediateTensors({...})``, or of ``IntermediateTensors(name)`` where ``name`` is
-    assigned one dict literal in forward (later ``name[...] = ...`` / ``name.update(...)`` add more)."""
+    assigned (or annotated with) one dict literal in forward (later ``name[...] = ...`` / ``name.update(...)`` add more)."""
     call = cst.ensure_type(ret.value, cst.Call)
     table: cst.BaseExpression | None = call.args[0].value if len(call.args) == 1 and call.args[0].keyword is None else None
     if isinstance(table, cst.Name):
-        found = [a for s in body for a in m.findall(s, m.Assign(targets=[m.AssignTarget(m.Name(table.value))]))]
-        table = cst.ensure_type(found[0], cst.Assign).value if len(found) == 1 else None
+        bind = m.Assign(targets=[m.AssignTarget(m.Name(table.value))]) | m.AnnAssign(target=m.Name(table.value))
+        found = [a for s in body for a in m.findall(s, bind)]
+        value = getattr(found[0], "value", None) if len(found) == 1 else None
+        table = value if isinstance(value, cst.BaseExpression) else None
     if not isinstance(table, cst.Dict):
         raise Decline(f"the non-last-rank return `{code_of(ret)}` is not IntermediateTensors({{...}}) with a dict "
                       "literal (or a name bound once to one)", ret)
@@ -291,12 +293,15 @@ def _is_aux_return_guard(stmt: cst.CSTNode, aux: set[str]) -> bool:
     return len(body) == 1 and m.matches(body[0], m.SimpleStatementLine(body=[m.Return(m.Tuple([m.Element(), m.Element(m.OneOf(*(m.Name(n) for n in aux)))]))]))
 
 
-def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> ForwardPlan:
-    """Read the decoder's forward (see the module docstring); ``Decline`` for what it cannot rewrite."""
+def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int],
+                 lookup: ClassLookup | None = None) -> ForwardPlan:
+    """Read the decoder's forward (see the module docstring); ``Decline`` for what it cannot rewrite.
+    ``lookup`` finds the layer classes (see ``residual_read``): with it, a residual the layers hand on but
+    the next stage is not sent is accepted where every layer rebinds it before reading it (Gemma4)."""
     fn = methods(cls)["forward"]
     loops = stage_loops(fn)
     if len(loops) > 1:
-        raise Decline(f"forward has {len(loops)} layer loops over this stage's layers (only one is understood)", loops[1])
+        loops = _running_loops(fn, loops, line_of)
     loop = loops[0]
     body = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
     if not any(s is loop for s in body):
@@ -308,6 +313,12 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
             raise Decline(f"forward's only loop over this stage's layers (`for ... in {code_of(loop.iter)}`, nested "
                           "in another statement) does not call them: the layers run elsewhere (a helper method), "
                           "which this rewrite does not follow", loop)
+        outer = next((st for st in body if any(x is loop for x in m.findall(st, m.For()))), None)
+        if isinstance(outer, (cst.For, cst.While)):
+            head = f"for ... in {code_of(outer.iter)}" if isinstance(outer, cst.For) else f"while {code_of(outer.test)}"
+            raise Decline(f"the layer loop `for ... in {code_of(loop.iter)}` runs inside `{head}`: every layer "
+                          "runs once per outer iteration, so a layer boundary (an aux id) names several states and no "
+                          "one capture is the stream there", loop)
         raise Decline(f"the layer loop `for ... in {code_of(loop.iter)}` is nested inside another statement "
                       "(only a loop at forward's top level is understood)", loop)
     if loop.orelse is not None:
@@ -323,7 +334,10 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
     parsed = _loop(loop, used)
     loop_end = line_of(loop) + code_of_lines(loop)
     nonlast, last = [], []
+    never_drafted = _fast_prefill_returns(cls, body, loop)
     for ret in scope.returns:
+        if id(ret) in never_drafted:
+            continue  # left as it is: that path runs without any drafter
         if line_of(ret) < line_of(loop):
             owner = next((s for s in body if any(x is ret for x in m.findall(s, m.Return()))), None)
             where = f" in `{code_of(owner.test)}`" if isinstance(owner, cst.If) else ""
@@ -356,7 +370,8 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
         remove.append(end)
         removed.add(id(end))
     if not own:
-        _check_layer_call(fn, loop, hidden, residual)
+        stale = _unsent_stale_residual(cls, fn, loop, parsed, hidden, residual, lookup)
+        _check_layer_call(fn, loop, hidden, residual or stale)
         _check_after_loop(fn, body, loop, hidden, residual, nonlast)
     kept = {id(s) for s in own}
     at = next(i for i, s in enumerate(body) if s is loop)
@@ -391,6 +406,31 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Fo
         aux_name = next(iter(aux))
     return ForwardPlan(parsed, hidden, residual, bound, tuple(nonlast), tuple(last), tuple(remove), aux_name,
                        rank_check, bool(own) and ahead is None, ahead, end)
+
+
+#: A cache option vLLM refuses together with every EAGLE-family method (``VllmConfig.__post_init__``:
+#: "Fast prefill optimization for KV sharing is not compatible with EAGLE"): a forward path taken only
+#: under it never runs with a drafter, so it captures and relays nothing.
+NO_DRAFTER_OPTION = "kv_sharing_fast_prefill"
+
+
+def _fast_prefill_returns(cls: cst.ClassDef, body: Sequence[cst.BaseStatement], loop: cst.For) -> set[int]:
+    """Returns inside ``if self.<flag>:`` branches before the layer loop, where ``__init__`` sets
+    ``self.<flag>`` from ``NO_DRAFTER_OPTION`` (Gemma4's fast-prefill forward)."""
+    init = methods(cls).get("__init__")
+    if init is None:
+        return set()
+    flags = {cst.ensure_type(cst.ensure_type(a, cst.Assign).targets[0].target, cst.Attribute).attr.value
+             for a in m.findall(init, m.Assign(targets=[m.AssignTarget(self_attr())]))
+             if NO_DRAFTER_OPTION in names_in(cst.ensure_type(a, cst.Assign).value)}
+    out: set[int] = set()
+    for stmt in body:
+        if stmt is loop:
+            break
+        if isinstance(stmt, cst.If) and stmt.orelse is None and flags and m.matches(
+                stmt.test, m.Attribute(value=m.Name("self"), attr=m.OneOf(*(m.Name(f) for f in flags)))):
+            out |= {id(r) for r in m.findall(stmt.body, m.Return())}
+    return out
 
 
 def _layer_call_at(loop: cst.For, parsed: Loop) -> int | None:
@@ -505,6 +545,49 @@ def _check_layer_call(fn: cst.FunctionDef, loop: cst.For, hidden: str, residual:
                               "(+ residual)", assign)
     if hidden not in {n.value for t in m.findall(body, m.AssignTarget()) for n in m.findall(t, m.Name())}:
         raise Decline(f"the layer loop never assigns `{hidden}` (the tensor sent to the next stage)", loop)
+
+
+def _running_loops(fn: cst.FunctionDef, loops: list[cst.For], line_of: Callable[[cst.CSTNode], int]) -> list[cst.For]:
+    """The one loop over this stage's layers that calls them; the others only visit the layer modules
+    (DeepSeek-V4.1's engram ``prepare_embeddings`` before the real loop) and stay as they are. ``Decline``
+    when more than one calls them (one loop per config branch, each with its own returns)."""
+    used = names_in(fn)
+
+    def calls(loop: cst.For) -> bool:
+        try:
+            return _layer_call_at(loop, _loop(loop, used)) is not None
+        except Decline:
+            return True
+
+    running = [lp for lp in loops if calls(lp)]
+    if len(running) == 1:
+        return running
+    lines = ", ".join(str(line_of(lp)) for lp in running or loops)
+    raise Decline(f"forward has {len(running) or len(loops)} loops that run this stage's layers (lines {lines}), "
+                  "e.g. one per config branch with its own returns; the rewrite handles one", (running or loops)[1])
+
+
+def _unsent_stale_residual(cls: cst.ClassDef, fn: cst.FunctionDef, loop: cst.For, parsed: Loop, hidden: str,
+                           residual: str | None, lookup: ClassLookup | None) -> str | None:
+    """The name the layer call binds after ``hidden`` when the next stage is sent no residual and every
+    layer class rebinds that parameter before reading it (``residual = hidden_states`` first; Gemma4's
+    layers return ``(hidden_states, None)``): nothing is carried in it, so the stream is ``hidden`` alone."""
+    if residual is not None or lookup is None:
+        return None
+    at = _layer_call_at(loop, parsed)
+    inside = list(cst.ensure_type(loop.body, cst.IndentedBlock).body)
+    if at is None:
+        return None
+    for assign in m.findall(inside[at], m.Assign(targets=[m.AssignTarget(m.Tuple())], value=m.Call())):
+        names = [e.value for e in cst.ensure_type(cst.ensure_type(assign, cst.Assign).targets[0].target, cst.Tuple).elements]
+        if len(names) == 2 and m.matches(names[0], m.Name(hidden)) and isinstance(names[1], cst.Name):
+            carried = names[1].value
+            plan = ForwardPlan(parsed, hidden, carried, False, (), (), (), "", False)
+            try:
+                return None if residual_read(cls, plan, lookup) else carried
+            except Decline:  # the layer classes cannot be read: `carried` may carry state (declined below)
+                return None
+    return None
 
 
 def _check_after_loop(fn: cst.FunctionDef, body: list[cst.BaseStatement], loop: cst.For, hidden: str,

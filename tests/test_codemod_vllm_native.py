@@ -330,8 +330,19 @@ DECLINES = {
     "nested-loop": (
         "for _ in range(2):\n    for layer in islice(self.layers, self.start_layer, self.end_layer):\n"
         "        hidden_states, residual = layer(hidden_states, residual)",
+        "line 21: the layer loop `for ... in islice(self.layers, self.start_layer, self.end_layer)` runs inside "
+        "`for ... in range(2)`: every layer runs once per outer iteration"),
+    "loop-in-if": (
+        "if self.fast:\n    for layer in islice(self.layers, self.start_layer, self.end_layer):\n"
+        "        hidden_states, residual = layer(hidden_states, residual)",
         "line 21: the layer loop `for ... in islice(self.layers, self.start_layer, self.end_layer)` is nested "
         "inside another statement"),
+    "two-running-loops": (
+        "for layer in islice(self.layers, self.start_layer, self.end_layer):\n"
+        "    hidden_states, residual = layer(hidden_states, residual)\n"
+        "for layer in islice(self.layers, self.start_layer, self.end_layer):\n"
+        "    hidden_states, residual = layer(hidden_states, residual)",
+        "line 22: forward has 2 loops that run this stage's layers (lines 20, 22)"),
     "gathered-capture": (
         "aux_hidden_states = []\n"
         "for idx, layer in enumerate(islice(self.layers, self.start_layer, self.end_layer), start=self.start_layer):\n"
@@ -715,3 +726,100 @@ def test_multimodal_class_holding_the_causal_lm_as_language_model_gets_eagle3() 
     assert adapt_vllm_module(code, label="toy.py").code == code
     plain = adapt(source.replace(", SupportsMultiModal, SupportsPP):", ", SupportsPP):"))  # not multimodal: not a holder
     assert plain.decoders[0].causal_lm == ("ToyForCausalLM",)
+
+
+GEMMA4_LIKE = """\
+    from itertools import islice
+
+    import torch
+    from torch import nn
+
+    from vllm.distributed import get_pp_group
+    from vllm.sequence import IntermediateTensors
+
+    from .interfaces import SupportsPP
+
+
+    class ToyModel(nn.Module):
+        def __init__(self, *, vllm_config, prefix=""):
+            super().__init__()
+            self.fast_prefill_enabled = vllm_config.cache_config.kv_sharing_fast_prefill
+            self.start_layer, self.end_layer, self.layers = make_layers(4, lambda prefix: ToyLayer(prefix), prefix)
+
+        def forward(self, input_ids, positions, intermediate_tensors, inputs_embeds=None):
+            if self.fast_prefill_enabled:
+                hidden_states = self.fast_prefill_forward(input_ids, positions)
+                return self.norm(hidden_states)
+            if get_pp_group().is_first_rank:
+                hidden_states = self.embed_tokens(input_ids)
+            else:
+                hidden_states = intermediate_tensors["hidden_states"]
+            residual = None
+            for layer in islice(self.layers, self.start_layer, self.end_layer):
+                hidden_states, residual = layer(positions, hidden_states, residual)
+            if not get_pp_group().is_last_rank:
+                tensors: dict[str, torch.Tensor] = {"hidden_states": hidden_states}
+                return IntermediateTensors(tensors)
+            return self.norm(hidden_states)
+
+
+    class ToyLayer(nn.Module):
+        def forward(self, positions, hidden_states, residual):
+            residual = hidden_states
+            hidden_states = self.mlp(hidden_states) + residual
+            return hidden_states, None
+
+
+    class ToyForCausalLM(nn.Module, SupportsPP):
+        def __init__(self, *, vllm_config, prefix=""):
+            super().__init__()
+            self.model = ToyModel(vllm_config=vllm_config, prefix=prefix)
+"""
+
+
+def test_fast_prefill_return_and_unsent_stale_residual_are_understood() -> None:
+    """Gemma4: a return before the loop under `self.<flag>` set from `kv_sharing_fast_prefill` is left as
+    it is (vLLM refuses that option with every EAGLE-family method, so no drafter runs that path); the
+    layer call binds a `residual` the next stage is not sent, but every layer rebinds it before reading it,
+    so the stream is the hidden states alone; `IntermediateTensors(tensors)` with an annotated dict."""
+    result = adapt(GEMMA4_LIKE)
+    (outcome,) = result.decoders
+    assert outcome.status == "adapted", outcome.reason
+    code = result.code
+    assert ("        if self.fast_prefill_enabled:\n"
+            "            hidden_states = self.fast_prefill_forward(input_ids, positions)\n"
+            "            return self.norm(hidden_states)\n") in code
+    assert "aux_hidden_states, self.start_layer, hidden_states, None\n" in code
+    assert "aux_hidden_states, idx + 1, hidden_states, None\n" in code
+    assert "return IntermediateTensors({**tensors, **self.pack_local_aux_hidden_states(aux_hidden_states)})" in code
+    assert adapt_vllm_module(code, label="toy.py").code == code
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    (("vllm_config.cache_config.kv_sharing_fast_prefill", "vllm_config.fast"),
+     "forward returns before its layer loop (`return self.norm(hidden_states)` in `self.fast_prefill_enabled`)"),
+    (("            residual = hidden_states\n            hidden_states = self.mlp(hidden_states) + residual\n",
+      "            hidden_states = self.mlp(hidden_states) + residual\n            residual = hidden_states\n"),
+     "`residual` is carried from layer to layer but the next stage receives only `hidden_states`"),
+])
+def test_fast_prefill_and_unsent_residual_declines_stay_where_they_are_real(change: tuple[str, str], fragment: str) -> None:
+    """Another flag is not the no-drafter option; a layer that reads the residual carries state unsent."""
+    source = GEMMA4_LIKE.replace(*change)
+    assert source != GEMMA4_LIKE
+    (outcome,) = adapt(source).decoders
+    assert outcome.status == "declined" and fragment in outcome.reason, outcome.reason
+
+
+def test_a_loop_that_only_visits_the_layers_is_left_beside_the_layer_loop() -> None:
+    """DeepSeek-V4.1: a loop before the layer loop only prepares each layer's engram embeddings (no layer
+    call); it stays as it is and the loop that runs the layers is the one rewritten."""
+    prepare = ("            if engram_hashes is not None:\n"
+               "                for layer in islice(self.layers, self.start_layer, self.end_layer):\n"
+               "                    layer.engram.prepare_embeddings(engram_hashes)\n")
+    result = adapt(HEAD.replace("    def forward(self, input_ids,", "    def forward(self, engram_hashes, input_ids,")
+                   + prepare + _LOOP + TAIL)
+    (outcome,) = result.decoders
+    assert outcome.status == "adapted", outcome.reason
+    assert prepare.replace("    " * 3, "    " * 2, 1).replace("\n        ", "\n    ") in result.code  # unchanged
+    assert result.code.count("layer.engram.prepare_embeddings(engram_hashes)") == 1
+    assert "aux_hidden_states, idx + 1, hidden_states, residual\n" in result.code

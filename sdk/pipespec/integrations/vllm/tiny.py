@@ -119,6 +119,13 @@ ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
                                 "untied head: with tied embeddings vLLM 0.32's Ernie4_5_MoeForCausalLM calls "
                                 "tie_weights on the PPMissingLayer a non-last PP rank has for its lm_head (a vLLM "
                                 "bug at PP > 1, not patched here); untied, its PP path is what every other model runs"),
+    "Gemma4ForCausalLM": ({"top_k_experts": 2, "hidden_size_per_layer_input": 0},
+                          "the recipe's experts (num_experts 4) turn Gemma4's MoE block on, which routes to "
+                          "top_k_experts (no default); no per-layer input embeddings (PLE, the small Gemma 4s): on "
+                          "a non-first PP rank vLLM 0.32's Gemma4Model reads per_layer_inputs from the intermediate "
+                          "tensors only when the caller passes per_layer_inputs, which its text-only model runner "
+                          "does not (that code is vLLM's, unchanged by the rewrite); measured with PLE on: PP=2 "
+                          "aux id 6 off the PP=1 stream by 6.5, ids 0-4 equal"),
     "Glm4MoeForCausalLM": ({"head_dim": 16}, "vLLM reads config.head_dim, which transformers' Glm4MoeConfig derives"),
     "AfmoeForCausalLM": ({"score_func": "softmax", "route_norm": True, "n_group": 1, "topk_group": 1},
                          "vLLM reads the router's remote-code fields (score_func, route_norm, groups)"),
