@@ -117,7 +117,7 @@ def _pair(work: Path, pair: Path | None = None) -> tuple[Path, Path, str]:
 
     if demo_available():
         return demo_target_dir(), demo_draft_dir(), "trained demo pair (pipespec.demo)"
-    from pipespec.engine.testing import write_agreeing_pair
+    from pipespec.engine.tiny_checkpoints import write_agreeing_pair
 
     target, draft, _ = write_agreeing_pair(work / "target", work / "draft", vocab_size=48, num_layers=4)
     return target, draft, "constructed agreeing pair (pipespec.engine.testing; no demo shipped)"
@@ -274,7 +274,9 @@ def policy_results(rates: dict[tuple[int, int, str], list[float]], traces: dict[
             detail=(f"adaptive {adaptive:.1f} / max(always {always:.1f}, plain {plain:.1f}) tokens/s, k=3, PP={pp} "
                     f"(medians of {repeats} interleaved: adaptive {_fmt(rates[keys[0]])}, always {_fmt(rates[keys[1]])}, "
                     f"plain {_fmt(rates[keys[2]])}); adaptive rounds speculative {spec_rounds} / plain {plain_rounds}, "
-                    f"switches {[t['switches'] for t in runs]}, decisions: {'; '.join(reasons) or 'none'}; "
+                    f"switches {[t['switches'] for t in runs]}, load changes {[t.get('load_changes', 0) for t in runs]} "
+                    f"(settled by drafting's acceptance, no plain round: {[t.get('load_checks', 0) for t in runs]}), "
+                    f"decisions: {'; '.join(reasons) or 'none'}; "
                     f"{new_tokens} new tokens x {c} prompts, outputs {'identical to' if same else 'DIFFER from'} plain "
                     f"decoding; {what}"),
         ))

@@ -91,7 +91,7 @@ def test_the_70b_projection_runs_on_cpu_at_toy_size_and_labels_itself() -> None:
 def _tiny_pair(root: Path) -> Path:
     from transformers import AutoConfig
 
-    from pipespec.engine.testing import write_tiny_draft, write_tiny_target
+    from pipespec.engine.tiny_checkpoints import write_tiny_draft, write_tiny_target
 
     target = write_tiny_target(root / "target", "llama", seed=1)
     write_tiny_draft(root / "draft", AutoConfig.from_pretrained(target), seed=2)
@@ -125,6 +125,7 @@ def test_p3_quick_runs_on_the_given_pair_and_records_it(tmp_path: Path) -> None:
         assert row["goal"] == ">= 0.97" and "adaptive rounds speculative" in row["detail"]
         trace = next(r["generate"]["policy_trace"] for r in runs if (r["c"], r["spec_policy"]) == (c, "adaptive"))
         assert trace["spec_rounds"] + trace["plain_rounds"] == len(trace["rounds"]) > 0
+        assert trace["load_checks"] <= trace["load_changes"] and f"load changes [{trace['load_changes']}]" in row["detail"]
 
 
 @pytest.mark.timeout(300)
