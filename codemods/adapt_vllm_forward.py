@@ -50,6 +50,7 @@ from pipespec.codemods.scope import FunctionBodyTransformer
 from pipespec.codemods.vllm_forward_shape import (
     END,
     START,
+    LoopShape,
     ShapeError,
     assigned_leaves,
     classify_returns,
@@ -136,6 +137,26 @@ def _packed_return(call: cst.Call, tensors_param: str) -> cst.BaseExpression:
     return cst.parse_expression(
         f"self.relay_aux_hidden_states(\n    {tensors_param},\n    {code(call.func)}({{\n{entries}    }}),\n)"
     )
+
+
+def _capturing_loop(shape: LoopShape, capture_sum: bool) -> tuple[cst.BaseStatement, cst.For]:
+    """The id-0 capture before the loop and the loop with a global index capturing after each layer
+    (``hidden + residual`` when ``capture_sum``, the residual stream as it enters the next layer)."""
+    loop, idx, hidden, residual = shape.loop, shape.idx, shape.hidden, shape.residual
+    after = f"{hidden} + {residual}" if capture_sum else hidden
+    first = f"{hidden} if {residual} is None else {hidden} + {residual}" if capture_sum else hidden
+    capture = parse_template_statement(
+        "if {idx} in self.aux_capture_after_layers:\n    self.capture_aux_hidden_state(" + AUX + ", {value})\n",
+        idx=cst.Name(idx), value=cst.parse_expression(after))
+    capture = capture.with_changes(body=capture.body.with_changes(header=cst.TrailingWhitespace(
+        whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(f"# pipespec: aux id {idx} + 1"))))
+    loop_body = cst.ensure_type(loop.body, cst.IndentedBlock)
+    new_loop = loop.with_changes(iter=shape.new_iter or loop.iter, target=shape.new_target or loop.target,
+                                 body=loop_body.with_changes(body=[*loop_body.body, capture]), leading_lines=())
+    id0 = parse_template_statement(
+        "if self.aux_capture_input:  # pipespec: aux id 0 (what enters layer 0), first stage\n    "
+        "self.capture_aux_hidden_state(" + AUX + ", {value})\n", value=cst.parse_expression(first))
+    return id0, new_loop
 
 
 class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
@@ -284,6 +305,36 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
                 raise self._skip(fn, f"forward already uses `{hand}`: aux states are handled by hand; review it and add "
                                      f"`{MARKER} = True` to the class, or remove that code and regenerate")
         stmts = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
+        loop_at, shape, nonlast, last = self._read_forward(fn, stmts, used)
+        loop = shape.loop
+        if shape.made_absolute:
+            self.warn(f"line {self._line(loop)}: the loop index `{shape.idx}` now counts layers globally (start=self.start_layer)")
+        if self.spec is not None:
+            self._check_spec(loop, shape.layers_attr, shape.residual)
+        capture_sum = shape.residual is not None and (self.spec is None or self.spec.capture == "hidden + residual")
+        id0, new_loop = _capturing_loop(shape, capture_sum)
+        collect = [
+            cst.parse_statement("# pipespec: aux states from upstream stages (last stage only; elsewhere [])\n"
+                                f"{REMOTE} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n"),
+            cst.parse_statement(f"{AUX} = []  # pipespec: this stage's own aux states, in id order\n"),
+        ]
+        doc = 1 if stmts and is_docstring(stmts[0]) else 0
+        new_stmts = [*stmts[:doc], *collect, *stmts[doc:loop_at], id0.with_changes(leading_lines=loop.leading_lines),
+                     new_loop, *stmts[loop_at + 1:]]
+        rewritten = fn.with_changes(body=fn.body.with_changes(body=new_stmts)).visit(
+            _RewriteForward(nonlast, last, cst.parse_expression(f"{REMOTE} + {AUX}"), "intermediate_tensors"))
+        checks = m.findall(fn, m.Attribute(value=_GET_PP_GROUP, attr=m.Name("is_first_rank") | m.Name("is_last_rank")))
+        if checks:
+            lines = ", ".join(str(self._line(c)) for c in checks)
+            self.warn(f"line {lines}: forward's get_pp_group() rank checks now read the stage plan "
+                      "(self.is_first_stage / self.is_last_stage)")
+        return cst.ensure_type(rewritten, cst.FunctionDef), shape.residual is not None
+
+    def _read_forward(
+        self, fn: cst.FunctionDef, stmts: Sequence[cst.BaseStatement], used: set[str]
+    ) -> tuple[int, LoopShape, set[int], set[int]]:
+        """The layer loop (its index in ``stmts`` and shape) and the ids of the non-last and last returns;
+        declines a forward whose non-last return hands on another stream than the loop captures."""
         try:
             loop_at = find_layer_loop(fn)
             loop = cst.ensure_type(stmts[loop_at], cst.For)
@@ -302,42 +353,7 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
             sends = f"{sent_hidden}" + (f" and {sent_residual} as residual" if sent_residual else " and no residual")
             raise self._skip(loop, f"the layer call assigns `{got}` but the next stage receives {sends}: the value "
                                    "captured at a layer boundary would not be the stream handed on")
-        if shape.made_absolute:
-            self.warn(f"line {self._line(loop)}: the loop index `{shape.idx}` now counts layers globally (start=self.start_layer)")
-        if self.spec is not None:
-            self._check_spec(loop, shape.layers_attr, shape.residual)
-        idx, hidden, residual = shape.idx, shape.hidden, shape.residual
-        capture_sum = residual is not None and (self.spec is None or self.spec.capture == "hidden + residual")
-        after = f"{hidden} + {residual}" if capture_sum else hidden
-        first = f"{hidden} if {residual} is None else {hidden} + {residual}" if capture_sum else hidden
-
-        capture = parse_template_statement(
-            "if {idx} in self.aux_capture_after_layers:\n    self.capture_aux_hidden_state(" + AUX + ", {value})\n",
-            idx=cst.Name(idx), value=cst.parse_expression(after))
-        capture = capture.with_changes(body=capture.body.with_changes(header=cst.TrailingWhitespace(
-            whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(f"# pipespec: aux id {idx} + 1"))))
-        loop_body = cst.ensure_type(loop.body, cst.IndentedBlock)
-        new_loop = loop.with_changes(iter=shape.new_iter or loop.iter, target=shape.new_target or loop.target,
-                                     body=loop_body.with_changes(body=[*loop_body.body, capture]), leading_lines=())
-        id0 = parse_template_statement(
-            "if self.aux_capture_input:  # pipespec: aux id 0 (what enters layer 0), first stage\n    "
-            "self.capture_aux_hidden_state(" + AUX + ", {value})\n", value=cst.parse_expression(first))
-        collect = [
-            cst.parse_statement("# pipespec: aux states from upstream stages (last stage only; elsewhere [])\n"
-                                f"{REMOTE} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n"),
-            cst.parse_statement(f"{AUX} = []  # pipespec: this stage's own aux states, in id order\n"),
-        ]
-        doc = 1 if stmts and is_docstring(stmts[0]) else 0
-        new_stmts = [*stmts[:doc], *collect, *stmts[doc:loop_at], id0.with_changes(leading_lines=loop.leading_lines),
-                     new_loop, *stmts[loop_at + 1:]]
-        rewritten = fn.with_changes(body=fn.body.with_changes(body=new_stmts)).visit(
-            _RewriteForward(nonlast, last, cst.parse_expression(f"{REMOTE} + {AUX}"), "intermediate_tensors"))
-        checks = m.findall(fn, m.Attribute(value=_GET_PP_GROUP, attr=m.Name("is_first_rank") | m.Name("is_last_rank")))
-        if checks:
-            lines = ", ".join(str(self._line(c)) for c in checks)
-            self.warn(f"line {lines}: forward's get_pp_group() rank checks now read the stage plan "
-                      "(self.is_first_stage / self.is_last_stage)")
-        return cst.ensure_type(rewritten, cst.FunctionDef), residual is not None
+        return loop_at, shape, nonlast, last
 
     def _check_spec(self, loop: cst.For, layer_attr: str | None, residual: str | None) -> None:
         spec = self.spec
