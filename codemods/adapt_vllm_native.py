@@ -259,9 +259,12 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
             status, reason = _judge(dec)
             if status == "adapted":
                 plan = forward_plan(dec, line_of, lookup)
-                if (plan.residual is not None and not plan.own_capture and plan.before_capture is None
-                        and not residual_read(dec, plan, lookup)):
-                    plan = replace_plan(plan, stale_residual=True)
+                if plan.residual is not None and not plan.own_capture and plan.before_capture is None:
+                    reads = residual_read(dec, plan, lookup, {c.name.value for c in top})
+                    if isinstance(reads, tuple):
+                        plan = replace_plan(plan, stale_for=reads)
+                    elif not reads:
+                        plan = replace_plan(plan, stale_residual=True)
                 new_dec, imports = _adapt_decoder(replace.get(id(dec), dec), plan, spec, label, module)
                 if spec is not None and held and spec.embed_decoder_attr not in (None, attr):
                     raise Decline(f"spec {spec.name} ({spec.source}) says embed.decoder_attr = "
@@ -553,6 +556,14 @@ class _RewriteForward(cst.CSTTransformer):
         live = self.plan.residual is not None and bound and not self.plan.stale_residual
         return self.plan.residual if live and self.plan.residual is not None else "None"
 
+    def _residual_after_layer(self) -> str:
+        """The residual argument of the capture after a layer: per layer class where they disagree."""
+        if self.plan.stale_for is None or self.plan.residual is None:
+            return self._residual()
+        layer, stale = self.plan.stale_for
+        classes = stale[0] if len(stale) == 1 else f"({', '.join(stale)})"
+        return f"None if isinstance({layer}, {classes}) else {self.plan.residual}"
+
     def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode):  # type: ignore[no-untyped-def]
         if id(original_node) in self.remove:  # a placeholder that leave_IndentedBlock drops
             return cst.SimpleStatementLine([cst.Pass()], leading_lines=getattr(original_node, "leading_lines", ()),
@@ -587,7 +598,7 @@ class _RewriteForward(cst.CSTTransformer):
             return updated_node
         p, aux = self.plan, self.plan.aux
         capture = cst.parse_statement(_wrapped_call("self._maybe_add_hidden_state", [
-            aux, code_of(p.loop.next_id), p.hidden, self._residual()], indent=12))
+            aux, code_of(p.loop.next_id), p.hidden, self._residual_after_layer()], indent=12))
         body = cst.ensure_type(updated_node.body, cst.IndentedBlock)
         if p.before_capture is not None and p.end_capture is not None:  # the model's own capture before each layer
             prelude = [
@@ -730,12 +741,14 @@ LINE = 88  # vLLM's line length (ruff format): generated lines longer than this 
 
 
 def _wrapped_call(func: str, args: list[str], indent: int) -> str:
-    """``func(a, b)`` on one line when it fits at ``indent``, else vLLM's style with the arguments on one
-    indented line."""
+    """``func(a, b)`` on one line when it fits at ``indent``, else vLLM's style (ruff format): the arguments
+    on one indented line, or one a line when even that is too long."""
     flat = f"{func}({', '.join(args)})"
     if indent + len(flat) <= LINE:
         return flat + "\n"
-    return f"{func}(\n    {', '.join(args)}\n)\n"
+    if indent + 4 + len(", ".join(args)) <= LINE:
+        return f"{func}(\n    {', '.join(args)}\n)\n"
+    return f"{func}(\n" + "".join(f"    {a},\n" for a in args) + ")\n"  # one argument a line
 
 
 def code_of_exact(node: cst.CSTNode) -> str:

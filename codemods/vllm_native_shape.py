@@ -114,6 +114,9 @@ class ForwardPlan:
     before_capture: cst.If | None = None  # the model's own capture before each layer, kept and guarded ...
     end_capture: cst.If | None = None  # ... and its `self.end_layer` capture, moved before the non-last return
     stale_residual: bool = False  # the layers rebind the residual they are passed: the stream is hidden alone
+    #: (layer variable, classes that rebind it): the layer classes disagree (picked by config: Molmo's
+    #: norm_after), so each capture after a layer asks which class just ran
+    stale_for: tuple[str, tuple[str, ...]] | None = None
 
 
 def _loop(loop: cst.For, used: set[str]) -> Loop:
@@ -584,7 +587,7 @@ def _unsent_stale_residual(cls: cst.ClassDef, fn: cst.FunctionDef, loop: cst.For
             carried = names[1].value
             plan = ForwardPlan(parsed, hidden, carried, False, (), (), (), "", False)
             try:
-                return None if residual_read(cls, plan, lookup) else carried
+                return None if residual_read(cls, plan, lookup) is True else carried
             except Decline:  # the layer classes cannot be read: `carried` may carry state (declined below)
                 return None
     return None
@@ -678,7 +681,8 @@ _NOT_LAYERS = frozenset({"make_layers", "maybe_prefix", "extract_layer_index", "
 ClassLookup = Callable[[str, "cst.ClassDef | None"], "list[tuple[cst.ClassDef, ClassLookup]]"]
 
 
-def residual_read(cls: cst.ClassDef, plan: ForwardPlan, lookup: ClassLookup) -> bool:
+def residual_read(cls: cst.ClassDef, plan: ForwardPlan, lookup: ClassLookup,
+                  own_classes: set[str] | None = None) -> bool | tuple[str, tuple[str, ...]]:
     """Whether the decoder's layers read the residual the loop passes them.
 
     False where every layer class's ``forward`` rebinds that parameter before reading it (post-norm and
@@ -686,7 +690,9 @@ def residual_read(cls: cst.ClassDef, plan: ForwardPlan, lookup: ClassLookup) -> 
     stream at a layer boundary is the returned hidden states alone. ``lookup(name, context)`` finds a
     class by name as the module that defines ``context`` sees it (its own classes and its imports), with
     the lookup that applies inside the class found. ``Decline`` where the layer classes or their
-    ``forward`` cannot be found from the source, or where they disagree."""
+    ``forward`` cannot be found from the source, or where they disagree. Given ``own_classes`` (the file's
+    top-level class names), disagreeing classes that ``isinstance`` on the loop's layer variable tells
+    apart are answered ``(layer variable, the classes that rebind it)`` instead (Molmo)."""
     assert plan.residual is not None
     loop = plan.loop.node
     at = _layer_call_at(loop, plan.loop)
@@ -712,6 +718,10 @@ def residual_read(cls: cst.ClassDef, plan: ForwardPlan, lookup: ClassLookup) -> 
     verdicts: dict[str, bool] = {}
     for layer, layer_lookup in found:
         verdicts[layer.name.value] = _forward_reads(layer, layer_lookup, slot, plan.residual, call)
+    if len(set(verdicts.values())) > 1 and own_classes is not None:
+        stale = tuple(n for n, v in verdicts.items() if not v)
+        if _told_apart(call, found, verdicts, own_classes):
+            return cst.ensure_type(call.func, cst.Name).value, stale
     if len(set(verdicts.values())) > 1:
         reads = ", ".join(n for n, v in verdicts.items() if v)
         not_reads = ", ".join(n for n, v in verdicts.items() if not v)
@@ -719,6 +729,33 @@ def residual_read(cls: cst.ClassDef, plan: ForwardPlan, lookup: ClassLookup) -> 
                       "reading it, so whether the stream at a layer boundary includes the residual depends on the "
                       "layer (or the config) and no one capture is right", call)
     return next(iter(verdicts.values()))
+
+
+def _told_apart(call: cst.Call, found: Sequence[tuple[cst.ClassDef, ClassLookup]], verdicts: dict[str, bool],
+                own_classes: set[str]) -> bool:
+    """``isinstance(<layer>, Stale...)`` is exactly "this layer rebinds the residual": the layer is called
+    through a plain name, every class is the file's own (its name is bound in the module), and no class
+    that reads the residual derives from one that rebinds it."""
+    if not isinstance(call.func, cst.Name) or not set(verdicts) <= own_classes:
+        return False
+    stale = {n for n, v in verdicts.items() if not v}
+    by_name = {c.name.value: c for c, _ in found}
+    for name, reads in verdicts.items():
+        if reads and _ancestors(by_name[name], by_name) & stale:
+            return False
+    return True
+
+
+def _ancestors(cls: cst.ClassDef, by_name: dict[str, cst.ClassDef]) -> set[str]:
+    out: set[str] = set()
+    todo = [cls]
+    while todo:
+        for arg in todo.pop().bases:
+            if isinstance(arg.value, cst.Name) and arg.value.value not in out:
+                out.add(arg.value.value)
+                if arg.value.value in by_name:
+                    todo.append(by_name[arg.value.value])
+    return out
 
 
 def _forward_reads(layer: cst.ClassDef, lookup: ClassLookup, slot: int | str, residual: str, call: cst.Call) -> bool:

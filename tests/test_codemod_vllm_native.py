@@ -623,8 +623,10 @@ def test_layer_class_in_an_imported_module_is_read_through_read_module() -> None
                                      "(built by `make_layers(4, lambda prefix: ToyLayer(prefix), prefix)`)")
 
 
-def test_layer_classes_that_disagree_are_declined() -> None:
-    """Molmo's shape: the config picks a pre-norm layer (reads the residual) or a norm-after one (rebinds it)."""
+def test_layer_classes_that_disagree_are_told_apart_per_layer() -> None:
+    """Molmo's shape: the config picks a pre-norm layer (reads the residual) or a norm-after one (rebinds
+    it). Each capture after a layer asks which class just ran; where a class that reads the residual
+    derives from one that rebinds it, isinstance cannot tell them apart and the decoder is declined."""
     both = POST_NORM_LAYER.replace("class ToyLayer", "class NormAfterLayer") + \
         LAYERS[LAYERS.index("\n\n    class ToyLayer"):]
     source = _toy_with_layer(both).replace(
@@ -632,7 +634,16 @@ def test_layer_classes_that_disagree_are_declined() -> None:
         "            layer_cls = NormAfterLayer if self.norm_after else ToyLayer\n"
         "            self.start_layer, self.end_layer, self.layers = make_layers(").replace(
         "lambda prefix: ToyLayer(prefix)", "lambda prefix: layer_cls(prefix)")
-    (outcome,) = adapt(source).decoders
+    result = adapt(source)
+    (outcome,) = result.decoders
+    assert outcome.status == "adapted", outcome.reason
+    assert ("            self._maybe_add_hidden_state(\n                aux_hidden_states,\n                idx + 1,\n"
+            "                hidden_states,\n                None if isinstance(layer, NormAfterLayer) else residual,\n"
+            "            )\n") in result.code
+    assert "aux_hidden_states, self.start_layer, hidden_states, residual\n" in result.code
+    assert adapt_vllm_module(result.code, label="toy.py").code == result.code
+    derived = source.replace("class ToyLayer(nn.Module):", "class ToyLayer(NormAfterLayer):")
+    (outcome,) = adapt(derived).decoders
     assert outcome.status == "declined" and "the layer classes disagree on the residual: ToyLayer read it, " \
         "NormAfterLayer rebind it before reading it" in outcome.reason
 
@@ -699,8 +710,9 @@ def test_layer_classes_from_a_module_level_table() -> None:
         '            self.start_layer, self.end_layer, self.layers = make_layers(4, lambda prefix: ToyLayer(prefix), prefix)',
         'def __init__(self, *, vllm_config, prefix="", decoder_layer_types=None):\n            super().__init__()\n' + init)
     assert "get_layer" in source
-    (outcome,) = adapt(source).decoders  # ToyLayer reads the residual, OtherLayer rebinds it: they disagree
-    assert outcome.status == "declined" and "ToyLayer read it, OtherLayer rebind it" in outcome.reason
+    result = adapt(source)  # ToyLayer reads the residual, OtherLayer rebinds it: told apart per layer
+    assert result.decoders[0].status == "adapted", result.decoders[0].reason
+    assert "None if isinstance(layer, OtherLayer) else residual,\n" in result.code
     same = source.replace('{"a": ToyLayer, "b": OtherLayer}', '{"a": ToyLayer, "b": ToyLayer}')
     assert "idx + 1, hidden_states, residual\n" in adapt(same).code
 

@@ -71,10 +71,12 @@ ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
                              "remote-code config: MoE sizes, partial rope, grouped norms, router and attention gate "
                              "functions; no mixture-of-value attention (mova_num_experts 0): it runs a Triton fused-MoE "
                              "kernel, which this CPU build lacks"),
-    "MolmoForCausalLM": ({"embedding_size": None, "layer_norm_type": "rms", "norm_after": False, "qkv_bias": True,
+    "MolmoForCausalLM": ({"embedding_size": None, "layer_norm_type": "rms", "norm_after": True, "qkv_bias": True,
                           "weight_tying": False, "attention_layer_norm": False},
                          "remote-code config: vocabulary padding, norm kind and placement, biases (its vision "
-                         "backbone is sized in code: not built, language_model_only)"),
+                         "backbone is sized in code: not built, language_model_only); norm_after True builds "
+                         "MolmoDecoderNormAfterLayer, the layer class that rebinds its residual (Molmo2's tiny "
+                         "config builds the other kind, so the zoo checks both branches of the per-class capture)"),
     "DeciLMForCausalLM": ({"block_configs": [
         {"attention": {"no_op": i == 2, "replace_with_linear": False, "n_heads_in_group": 2},
          "ffn": {"no_op": i == 4, "replace_with_linear": False, "intermediate_size": 128}} for i in range(6)]},
