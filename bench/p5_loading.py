@@ -72,7 +72,7 @@ def edge_share(target_dir: Path) -> float:
 
 def _checkpoints(quick: bool, work: Path) -> list[tuple[str, Path, list[int]]]:
     from pipespec.demo import demo_available, demo_target_dir
-    from pipespec.engine.testing import write_tiny_target
+    from pipespec.engine.tiny_checkpoints import write_tiny_target
 
     hidden = 256 if quick else 512
     synthetic = write_tiny_target(

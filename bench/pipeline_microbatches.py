@@ -91,7 +91,7 @@ def _model(work: Path, device: str, pair: Path | None = None, shape: str | None 
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    from pipespec.engine.testing import write_tiny_draft, write_tiny_target
+    from pipespec.engine.tiny_checkpoints import write_tiny_draft, write_tiny_target
 
     name = shape or ("gpu" if device == "cuda" else "cpu")
     dims = SHAPES[name]

@@ -77,7 +77,7 @@ def _write_pair(root: Path) -> tuple[Path, Path]:
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    from pipespec.engine.testing import write_tiny_draft, write_tiny_target
+    from pipespec.engine.tiny_checkpoints import write_tiny_draft, write_tiny_target
 
     hf_logging.disable_progress_bar()  # save_pretrained's shard bar would land in the table output
     target = write_tiny_target(root / "target", "llama", num_layers=6, seed=11, max_position_embeddings=4096)

@@ -16,7 +16,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 @pytest.fixture(scope="module")
 def one_thread_per_stage() -> Iterator[None]:
     """Tiny models on a shared 2-core machine: one intra-op thread per stage process is by far the
-    fastest (see pipespec.engine.worker.stage_threads). Modules that start stages opt in with
+    fastest (see pipespec.engine.stage.settings.stage_threads). Modules that start stages opt in with
     ``pytestmark = pytest.mark.usefixtures("one_thread_per_stage")``."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PIPESPEC_THREADS", "1")

@@ -34,7 +34,7 @@ from transformers import AutoConfig
 
 from pipespec.cli import main
 from pipespec.contract.intermediate import IntermediateTensors
-from pipespec.engine.testing import write_tiny_draft, write_tiny_target
+from pipespec.engine.tiny_checkpoints import write_tiny_draft, write_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "vllm_style"

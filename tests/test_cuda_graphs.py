@@ -26,7 +26,7 @@ from pipespec.engine.cuda_graphs import GraphedForwards, GraphMode
 from pipespec.engine.row_batch import RowBatch
 from pipespec.engine.slot_cache import SlotLayer, SlotStore
 from pipespec.engine.target import build_target_stage
-from pipespec.engine.testing import write_tiny_target
+from pipespec.engine.tiny_checkpoints import write_tiny_target
 
 CAPACITY = 160  # the longest row: 8 prompt + 24 rounds x 4 tokens, plus holes up to a quarter (RowBatch compacts)
 
@@ -215,7 +215,7 @@ def test_the_memory_estimate_is_what_a_store_allocates(llama: Path) -> None:
 
 
 def test_graphs_that_do_not_fit_fall_back_or_are_refused() -> None:
-    from pipespec.engine.worker import graphs_fit
+    from pipespec.engine.stage.captures import graphs_fit
     from pipespec.errors import UsageError
 
     gib = 2**30

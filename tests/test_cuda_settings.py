@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pipespec.engine.worker import CUDNN_SDP_ENV, configure_cuda_attention
+from pipespec.engine.stage.settings import CUDNN_SDP_ENV, configure_cuda_attention
 
 
 @pytest.fixture

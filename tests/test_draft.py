@@ -20,13 +20,8 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig
-from pipespec.engine.testing import (
-    make_random_draft,
-    reference_speculative_generate,
-    target_aux_states,
-    write_agreeing_pair,
-    write_tiny_target,
-)
+from pipespec.engine.reference import reference_speculative_generate, target_aux_states
+from pipespec.engine.tiny_checkpoints import make_random_draft, write_agreeing_pair, write_tiny_target
 
 ATOL = 2e-5
 

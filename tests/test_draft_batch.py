@@ -23,7 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from pipespec.engine.draft import DraftKVCache, Eagle3Draft
 from pipespec.engine.draft.rotary import apply_rotary as _apply_rotary
 from pipespec.engine.draft.rotary import rotary_factors
-from pipespec.engine.testing import make_random_draft
+from pipespec.engine.tiny_checkpoints import make_random_draft
 
 ATOL = 2e-5
 AUX = 32  # target hidden size; the draft's fc reads 3 x AUX features

@@ -22,7 +22,7 @@ from pipespec.engine.draft_checkpoint import (
     save_draft_checkpoint,
     to_input_index,
 )
-from pipespec.engine.testing import make_random_draft
+from pipespec.engine.tiny_checkpoints import make_random_draft
 from pipespec.errors import CheckpointError, UsageError
 
 N = 8

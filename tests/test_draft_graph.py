@@ -20,7 +20,7 @@ from transformers import LlamaConfig
 
 from pipespec.engine.draft import DraftKVCache, Eagle3Draft
 from pipespec.engine.draft_graph import DraftGraphRunner, GraphMode
-from pipespec.engine.testing import make_random_draft
+from pipespec.engine.tiny_checkpoints import make_random_draft
 
 ATOL = 2e-5
 AUX = 32  # target hidden size; the draft's fc reads 3 x AUX features

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from pipespec.engine.testing import write_tiny_draft, write_tiny_target
+from pipespec.engine.tiny_checkpoints import write_tiny_draft, write_tiny_target
 from pipespec.pp.launch import StageContext, run_stages
 
 BIN = Path(sys.executable).parent

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from pipespec.cli import main
-from pipespec.engine.testing import write_tiny_draft, write_tiny_target
+from pipespec.engine.tiny_checkpoints import write_tiny_draft, write_tiny_target
 
 BIN = Path(sys.executable).parent
 

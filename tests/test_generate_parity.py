@@ -25,12 +25,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pipespec.cli import main
 from pipespec.cli.demo import shipped_pair
 from pipespec.engine.draft_checkpoint import TargetInfo, load_draft_checkpoint
-from pipespec.engine.testing import (
-    target_aux_states,
-    write_agreeing_pair,
-    write_tiny_draft,
-    write_tiny_target,
-)
+from pipespec.engine.reference import target_aux_states
+from pipespec.engine.tiny_checkpoints import write_agreeing_pair, write_tiny_draft, write_tiny_target
 from pipespec.pp.loading import open_checkpoint
 
 PROMPTS = [([5, 17, 3, 42, 8], 10), ([7], 12), ([40, 2, 2, 31, 9, 11, 47, 3, 1], 8)]

@@ -32,7 +32,7 @@ from pipespec.engine.microbatch import (
     default_micro_batches,
     micro_batch_rule,
 )
-from pipespec.engine.testing import write_tiny_draft, write_tiny_target
+from pipespec.engine.tiny_checkpoints import write_tiny_draft, write_tiny_target
 from pipespec.errors import UsageError
 
 

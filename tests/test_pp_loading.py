@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipespec.engine.target import build_target_stage
-from pipespec.engine.testing import write_tiny_target
+from pipespec.engine.tiny_checkpoints import write_tiny_target
 from pipespec.errors import CheckpointError, LayoutError, UnsupportedModelError
 from pipespec.pp import loading
 from pipespec.pp.loading import open_checkpoint

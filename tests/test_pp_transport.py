@@ -165,7 +165,7 @@ def test_peer_lost_error_is_a_pipespec_error() -> None:
 
 
 def test_stage_threads_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipespec.engine.worker import stage_threads
+    from pipespec.engine.stage.settings import stage_threads
     from pipespec.errors import UsageError
 
     monkeypatch.delenv("PIPESPEC_THREADS", raising=False)
@@ -183,7 +183,7 @@ def test_stage_threads_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -
 
 def _slow_loader_stage(ctx: StageContext, delay: float) -> str:
     """Stage 0 'loads' for ``delay`` s; then everyone meets at the post-loading barrier and does a step."""
-    from pipespec.engine.worker import wait_for_all_stages_loaded
+    from pipespec.engine.stage.loading import wait_for_all_stages_loaded
 
     if ctx.rank == 0:
         time.sleep(delay)

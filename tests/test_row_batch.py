@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipespec.engine.row_batch import RowBatch, batchable
 from pipespec.engine.target import build_target_stage
-from pipespec.engine.testing import write_tiny_target
+from pipespec.engine.tiny_checkpoints import write_tiny_target
 
 
 @pytest.fixture(scope="module")

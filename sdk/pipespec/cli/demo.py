@@ -62,7 +62,7 @@ def cache_dir(given: str | None) -> Path:
 
 def constructed_pair(directory: Path) -> tuple[Path, Path]:
     """Build (once) or reuse the constructed agreeing pair under ``directory``."""
-    from pipespec.engine.testing import write_agreeing_pair
+    from pipespec.engine.tiny_checkpoints import write_agreeing_pair
 
     target, draft, stamp = directory / "target", directory / "draft", directory / "VERSION"
     if stamp.exists() and stamp.read_text().strip() == CONSTRUCTED_VERSION:
