@@ -221,6 +221,25 @@ class TargetStage:
         return self.lm_head(hidden), list(aux)
 
 
+def _meta_model(resolved: ResolvedTarget, adapted_cls: type, dtype: torch.dtype) -> tuple[nn.Module, Any, str]:
+    """The causal LM on the meta device with the adapted decoder in place of its own: (causal LM, decoder,
+    the attribute that holds it)."""
+    config = resolved.config
+    previous = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device("meta"):
+            causal = resolved.causal_cls(config)
+            decoder = adapted_cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    prefix = getattr(causal, "base_model_prefix", "model") or "model"
+    if not isinstance(getattr(causal, prefix, None), nn.Module):
+        raise UnsupportedModelError(f"{resolved.causal_cls.__name__} has no base model at .{prefix}")
+    setattr(causal, prefix, decoder)
+    return causal, decoder, prefix
+
+
 def build_target_stage(
     target_dir: str,
     rank: int,
@@ -246,18 +265,7 @@ def build_target_stage(
     spec = resolved.spec
 
     started = time.perf_counter()
-    previous = torch.get_default_dtype()
-    try:
-        torch.set_default_dtype(dtype)
-        with torch.device("meta"):
-            causal = resolved.causal_cls(config)
-            decoder = adapted_cls(config)
-    finally:
-        torch.set_default_dtype(previous)
-    prefix = getattr(causal, "base_model_prefix", "model") or "model"
-    if not isinstance(getattr(causal, prefix, None), nn.Module):
-        raise UnsupportedModelError(f"{resolved.causal_cls.__name__} has no base model at .{prefix}")
-    setattr(causal, prefix, decoder)
+    causal, decoder, prefix = _meta_model(resolved, adapted_cls, dtype)
     decoder.set_pipeline_stage(rank, pp_size, plan.partition, spec.boundary_rule)
     decoder.set_aux_hidden_state_layers(plan.aux_layers)
 
