@@ -1,0 +1,233 @@
+"""The rewrite of one decoder's ``forward`` by its ``ForwardPlan`` (vllm_native_shape): collect the
+remote aux states, capture ``start_layer`` on the first rank and ``idx + 1`` after each layer, pack on
+non-last ranks, return ``(hidden, remote + local)`` on the last. Generated lines follow vLLM's ruff
+format. Imports no vLLM and does not read the plan's source beyond the nodes the plan names."""
+
+from __future__ import annotations
+
+import libcst as cst
+import libcst.matchers as m
+
+from pipespec.codemods.vllm_forward_shape import names_in
+from pipespec.codemods.vllm_native_names import REMOVED_MARK, code_of_exact
+from pipespec.codemods.vllm_native_shape import ForwardPlan, code_of
+
+
+class RewriteForward(cst.CSTTransformer):
+    """Apply a ``ForwardPlan``: drop the old capture, add the contract's (see the module docstring)."""
+
+    def __init__(self, plan: ForwardPlan, annotate: bool) -> None:
+        self.plan = plan
+        self.remove = {id(n) for n in plan.remove}
+        self.nonlast = {id(r) for r in plan.nonlast}
+        self.last = {id(r) for r in plan.last}
+        used = names_in(plan.loop.node) | {plan.aux, plan.hidden}
+        self.remote = "remote_aux" if "remote_aux" not in used else "remote_aux_hidden_states"
+        self.annotate = annotate
+        self.depth = 0
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        self.depth += 1
+        return self.depth == 1
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> cst.FunctionDef:
+        self.depth -= 1
+        return updated_node
+
+    def _residual(self, bound: bool = True) -> str:
+        live = self.plan.residual is not None and bound and not self.plan.stale_residual
+        return self.plan.residual if live and self.plan.residual is not None else "None"
+
+    def _residual_after_layer(self) -> str:
+        """The residual argument of the capture after a layer: per layer class where they disagree."""
+        if self.plan.stale_for is None or self.plan.residual is None:
+            return self._residual()
+        layer, stale = self.plan.stale_for
+        classes = stale[0] if len(stale) == 1 else f"({', '.join(stale)})"
+        return f"None if isinstance({layer}, {classes}) else {self.plan.residual}"
+
+    def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode):  # type: ignore[no-untyped-def]
+        if id(original_node) in self.remove:  # a placeholder that leave_IndentedBlock drops
+            return cst.SimpleStatementLine([cst.Pass()], leading_lines=getattr(original_node, "leading_lines", ()),
+                                           trailing_whitespace=cst.TrailingWhitespace(comment=cst.Comment(REMOVED_MARK)))
+        return super().on_leave(original_node, updated_node)
+
+    def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> cst.IndentedBlock:
+        """Drop the old capture's statements; their blank lines and comments go to the next statement."""
+        removed = m.SimpleStatementLine(trailing_whitespace=m.TrailingWhitespace(comment=m.Comment(REMOVED_MARK)))
+        if not any(m.matches(s, removed) for s in updated_node.body):
+            return updated_node
+        body: list[cst.BaseStatement] = []
+        carry: list[cst.EmptyLine] = []
+        for new in updated_node.body:
+            if m.matches(new, removed):
+                comments = [line for line in new.leading_lines if line.comment is not None]
+                about_aux = any("aux" in line.comment.value.lower() for line in comments if line.comment)
+                # a comment about the old capture goes with it, unless the model's own capture stays
+                drop = about_aux and not self.plan.own_capture
+                carry += [line for line in new.leading_lines if line.comment is None or not drop]
+                continue
+            if carry:
+                lines = [*carry, *new.leading_lines]
+                lines = [x for i, x in enumerate(lines) if x.comment or i == 0 or lines[i - 1].comment]
+                new = new.with_changes(leading_lines=lines)
+                carry = []
+            body.append(new)
+        return updated_node.with_changes(body=body)
+
+    def leave_For(self, original_node: cst.For, updated_node: cst.For) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
+        if original_node is not self.plan.loop.node:
+            return updated_node
+        p, aux = self.plan, self.plan.aux
+        capture = cst.parse_statement(wrapped_call("self._maybe_add_hidden_state", [
+            aux, code_of(p.loop.next_id), p.hidden, self._residual_after_layer()], indent=12))
+        body = cst.ensure_type(updated_node.body, cst.IndentedBlock)
+        if p.before_capture is not None and p.end_capture is not None:  # the model's own capture before each layer
+            prelude = [
+                cst.parse_statement(f"{self.remote} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n")
+                .with_changes(leading_lines=original_node.leading_lines or [cst.EmptyLine(indent=False)]),
+                cst.parse_statement(f"{aux}{': list[torch.Tensor]' if self.annotate else ''} = []\n"),
+            ]
+            # the stage's last id, captured on every rank before the hand-off, computed as the model's
+            # own capture before a layer does (e.g. gathering sequence-parallel shards)
+            end = _none_safe(p.before_capture, p.hidden, p.residual).with_changes(test=p.end_capture.test, leading_lines=[
+                cst.EmptyLine(indent=True, comment=cst.Comment("# the last id of this stage, on every rank")),
+            ])
+            return cst.FlattenSentinel([*prelude, updated_node.with_changes(leading_lines=()), end])
+        if p.own_capture:  # the model's own after-layer capture stays; collect before the loop, nothing else
+            prelude = [
+                cst.parse_statement(f"{self.remote} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n")
+                .with_changes(leading_lines=original_node.leading_lines or [cst.EmptyLine(indent=False)]),
+                cst.parse_statement(f"{aux}{': list[torch.Tensor]' if self.annotate else ''} = []\n"),
+            ]
+            return cst.FlattenSentinel([*prelude, updated_node.with_changes(leading_lines=())])
+        new_iter = p.loop.new_iter
+        if new_iter is not None and len(code_of_exact(updated_node.target if p.loop.new_target is None else p.loop.new_target)
+                                        + code_of_exact(new_iter)) + 20 > LINE:  # vLLM's own multi-line form
+            inner = code_of_exact(cst.ensure_type(new_iter, cst.Call).args[0].value)
+            header = cst.ensure_type(cst.parse_statement(
+                f"for _ in enumerate(\n    {inner},\n    start=self.start_layer,\n):\n    pass\n"), cst.For)
+            new_iter = header.iter
+        loop = updated_node.with_changes(iter=new_iter or updated_node.iter,
+                                         target=p.loop.new_target or updated_node.target,
+                                         body=body.with_changes(body=[*body.body, capture]), leading_lines=())
+        annotation = ": list[torch.Tensor]" if self.annotate else ""
+        call = wrapped_call("self._maybe_add_hidden_state", [
+            aux, "self.start_layer", p.hidden, self._residual(p.residual_bound_before_loop)], indent=12)
+        first = cst.parse_statement("if get_pp_group().is_first_rank:\n" + "".join(f"    {line}\n" for line in call.splitlines()))
+        prelude = [
+            cst.parse_statement(f"{self.remote} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n")
+            .with_changes(leading_lines=original_node.leading_lines or [cst.EmptyLine(indent=False)]),
+            cst.parse_statement(f"{aux}{annotation} = []\n").with_changes(leading_lines=[cst.EmptyLine(indent=False)]),
+            first,
+        ]
+        return cst.FlattenSentinel([*prelude, loop])
+
+    def leave_If(self, original_node: cst.If, updated_node: cst.If) -> cst.If:
+        if original_node is not self.plan.before_capture:
+            return updated_node
+        idx = self.plan.loop.next_id.left.value  # type: ignore[attr-defined]
+        header = cst.ensure_type(cst.parse_statement(  # id start_layer is the first rank's (vLLM's layout)
+            f"if {code_of(updated_node.test)} and (\n    {idx} != self.start_layer or get_pp_group().is_first_rank\n):\n"
+            "    pass\n"), cst.If)
+        safe = _none_safe(updated_node, self.plan.hidden, self.plan.residual)
+        return safe.with_changes(test=header.test, whitespace_before_test=header.whitespace_before_test)
+
+    def leave_Return(self, original_node: cst.Return, updated_node: cst.Return) -> cst.Return:
+        if id(original_node) not in self.nonlast:
+            return updated_node
+        call = cst.ensure_type(updated_node.value, cst.Call)
+        pack = cst.parse_expression(f"self.pack_local_aux_hidden_states({self.plan.aux})")
+        if isinstance(call.args[0].value, cst.Name):  # IntermediateTensors(tensors): a dict built above
+            merged = cst.parse_expression(f"{{**{call.args[0].value.value}, **{code_of(pack)}}}")
+            return updated_node.with_changes(value=call.with_changes(args=[call.args[0].with_changes(value=merged)]))
+        table = cst.ensure_type(call.args[0].value, cst.Dict)
+        elements = list(table.elements)
+        last = elements[-1]
+        sep = (elements[-2].comma if len(elements) > 1 and isinstance(elements[-2].comma, cst.Comma)
+               else cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+        if isinstance(table.lbrace.whitespace_after, cst.ParenthesizedWhitespace) and len(elements) == 1:
+            sep = cst.Comma(whitespace_after=table.lbrace.whitespace_after)
+        new = cst.StarredDictElement(pack, comma=last.comma)
+        elements[-1] = last.with_changes(comma=sep)
+        table = table.with_changes(elements=[*elements, new])
+        original = cst.ensure_type(call.args[0].value, cst.Dict)
+        flat = f"return {code_of_exact(call.func)}({code_of_exact(original)[:-1]}, **{code_of(pack)}}})"
+        if "\n" not in code_of_exact(original) and len(flat) + 12 > LINE:
+            lines = []  # vLLM's multi-line form for a dict that no longer fits on one line
+            for el in elements + [new]:
+                if isinstance(el, cst.DictElement):
+                    lines.append(f"        {code_of_exact(el.key)}: {code_of_exact(el.value)},\n")
+                else:
+                    lines.append(f"        **{code_of_exact(el.value)},\n")
+            text = f"return {code_of_exact(call.func)}(\n    {{\n{''.join(lines)}    }}\n)\n"
+            return cst.ensure_type(cst.ensure_type(cst.parse_statement(text), cst.SimpleStatementLine).body[0], cst.Return)
+        return updated_node.with_changes(value=call.with_changes(args=[call.args[0].with_changes(value=table)]))
+
+    def leave_SimpleStatementLine(
+        self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+    ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
+        rets = [s for s in original_node.body if id(s) in self.last]
+        if not rets:
+            return updated_node
+        ret = cst.ensure_type(rets[0], cst.Return)
+        assert ret.value is not None
+        value = code_of_exact(ret.value)
+        aux = self.plan.aux
+        lines = [
+            cst.parse_statement(f"{aux} = {self.remote} + {aux}\n").with_changes(leading_lines=updated_node.leading_lines),
+            cst.parse_statement(f"if len({aux}) > 0:\n    return {value}, {aux}\n"),
+            cst.parse_statement(f"return {value}\n"),
+        ]
+        return cst.FlattenSentinel(lines)
+
+
+def _none_safe(node: cst.If, hidden: str, residual: str | None) -> cst.If:
+    """The model's own capture with every ``hidden + residual`` made right when ``residual`` is None
+    (id ``start_layer`` on the first rank, where no layer has produced a residual yet)."""
+    if residual is None:
+        return node
+    return cst.ensure_type(node.visit(_NoneSafeAdd(hidden, residual)), cst.If)
+
+
+class _NoneSafeAdd(cst.CSTTransformer):
+    """``h + r`` -> ``(h if r is None else h + r)`` (also ``r + h``); a form already guarded stays."""
+
+    def __init__(self, hidden: str, residual: str) -> None:
+        self.pair = {hidden, residual}
+        self.residual = residual
+        self.guarded = 0
+
+    def visit_IfExp(self, node: cst.IfExp) -> None:
+        if m.matches(node.test, m.Comparison(left=m.Name(self.residual), comparisons=[m.ComparisonTarget(m.Is() | m.IsNot())])):
+            self.guarded += 1
+
+    def leave_IfExp(self, original_node: cst.IfExp, updated_node: cst.IfExp) -> cst.BaseExpression:
+        if m.matches(original_node.test, m.Comparison(left=m.Name(self.residual),
+                                                      comparisons=[m.ComparisonTarget(m.Is() | m.IsNot())])):
+            self.guarded -= 1
+        return updated_node
+
+    def leave_BinaryOperation(self, original_node: cst.BinaryOperation,
+                              updated_node: cst.BinaryOperation) -> cst.BaseExpression:
+        if self.guarded or not isinstance(updated_node.operator, cst.Add):
+            return updated_node
+        left, right = updated_node.left, updated_node.right
+        if not (isinstance(left, cst.Name) and isinstance(right, cst.Name) and {left.value, right.value} == self.pair):
+            return updated_node
+        hidden = left.value if left.value != self.residual else right.value
+        return cst.parse_expression(f"({hidden} if {self.residual} is None else {code_of_exact(updated_node)})")
+
+
+LINE = 88  # vLLM's line length (ruff format): generated lines longer than this are wrapped the way it would
+
+
+def wrapped_call(func: str, args: list[str], indent: int) -> str:
+    """``func(a, b)`` on one line when it fits at ``indent``, else vLLM's style (ruff format): the arguments
+    on one indented line, or one a line when even that is too long."""
+    flat = f"{func}({', '.join(args)})"
+    if indent + len(flat) <= LINE:
+        return flat + "\n"
+    if indent + 4 + len(", ".join(args)) <= LINE:
+        return f"{func}(\n    {', '.join(args)}\n)\n"
+    return f"{func}(\n" + "".join(f"    {a},\n" for a in args) + ")\n"  # one argument a line
