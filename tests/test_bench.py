@@ -244,6 +244,10 @@ def test_pipeline_sweep_script_measures_fixed_length_prompts_and_writes_its_file
                                            / rows["pipeline.tokens_per_s.c3.p40.mb1"]["value"])
     runs = [json.loads(line) for line in (out / "pipeline_runs.jsonl").read_text().splitlines()]
     assert [r["micro_batches"] for r in runs] == [1, 2, 0]  # 0: no --micro-batches (the default rule)
+    # The default's row: the count it picked (1, its own run pooled in) ÷ the better of 1 and 2.
+    rate = {r["micro_batches"]: r["generate"]["tokens_per_s"] for r in runs}
+    one = (rate[1] + rate[0]) / 2
+    assert rows["pipeline.default.c3.p40"]["value"] == pytest.approx(one / max(one, rate[2]))
     assert [r["generate"]["micro_batches"] for r in runs] == [1, 2, 1]
     assert all(r["prompt_len"] == 40 and len(r["generate"]["outputs"]) == 3 for r in runs)
     assert all(len(o["output_ids"]) == 3 for r in runs for o in r["generate"]["outputs"])
