@@ -3,7 +3,7 @@
 One codemod a file, each with its analysis beside it:
 
 * ``adapt_vllm_native`` (``adapt_vllm_module``): the ``vllm`` dialect, vLLM's own EAGLE3-over-PP contract;
-  what it reads is ``vllm_native_shape``.
+  what it reads is ``vllm_native_shape`` (entry point) and the other ``vllm_native_*`` modules.
 * ``adapt_vllm_forward`` (``AdaptVllmForwardCommand``): the ``pipespec`` dialect, vLLM-style source on
   pipespec's runtime; what it reads is ``vllm_forward_shape``.
 * ``adapt_hf_stage_forward`` (``AdaptHFStageForwardCommand``): the ``hf`` dialect, HF transformers

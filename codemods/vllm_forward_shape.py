@@ -26,7 +26,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.helpers import parse_template_expression
 
-from pipespec.codemods.scope import own_scope  # also imported from here by vllm_native_shape
+from pipespec.codemods.scope import own_scope  # the vllm_native_* modules import it from here too
 
 
 def self_attr(name: str | None = None) -> m.Attribute:
