@@ -12,7 +12,8 @@ follows pipespec's contract (DESIGN.md, "Support is not inherited blindly"):
   delegates to ``super().forward`` or does the aux handling itself (collects remote and packs local
   aux states), else it is refused with vLLM's wording, the reason and the fix.
 
-Reads source with ``inspect`` and ``ast``; never instantiates a model. Imports ``torch`` only through the
+Reads source with ``inspect`` and ``ast``, following imports across files by the codemod's one
+resolution rule (``pipespec.codemods.vllm_native_index.module_path``); never instantiates a model. Imports ``torch`` only through the
 classes it is given, not ``vllm`` itself, so it can be tested on any class with vLLM's shape.
 """
 
@@ -23,6 +24,8 @@ import inspect
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+
+from pipespec.codemods.vllm_native_index import module_path
 
 FLAG = "supports_aux_hidden_states_over_pp"
 # What a forward must call to handle aux states over PP by vLLM's EagleModelMixin contract.
@@ -238,25 +241,6 @@ def judge_vllm_class(cls: type, pp: int = 2) -> Judgement:
     return judge_decoder_class(decoder)
 
 
-def _module_file(module: str, importer: Path, level: int, package_root: Path) -> Path | None:
-    """The ``.py`` file a ``from <module> import`` in ``importer`` names, inside ``package_root`` (vllm/)."""
-    if level:
-        base = importer.parent
-        for _ in range(level - 1):
-            base = base.parent
-        parts = module.split(".") if module else []
-    else:
-        top, _, rest = module.partition(".")
-        if top != package_root.name:
-            return None
-        base, parts = package_root, rest.split(".") if rest else []
-    candidate = base.joinpath(*parts)
-    for path in (candidate.with_suffix(".py"), candidate / "__init__.py"):
-        if path.is_file():
-            return path
-    return None
-
-
 def source_class_facts(path: str | Path, class_name: str, package_root: str | Path | None = None) -> list[ClassFacts]:
     """``ClassFacts`` read from source alone, for classes whose module cannot be imported here.
 
@@ -279,7 +263,7 @@ def source_class_facts(path: str | Path, class_name: str, package_root: str | Pa
         node = classes.get(name)
         if node is None:
             imported = _imported_from(tree, name)
-            target = _module_file(imported[0], file, imported[1], root) if imported else None
+            target = module_path(imported[0], imported[1], file, root, packages=True) if imported else None
             if target is not None:
                 visit(target, imported[2] if imported else name)
             return

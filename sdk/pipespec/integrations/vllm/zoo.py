@@ -237,6 +237,8 @@ ENVIRONMENT_ERRORS = (
     ("Tried to instantiate dummy base class Event", "its attention creates torch.cuda.Event objects at "
      "construction, which the CPU-only torch that vLLM's CPU build pins cannot make"),
     ("torch.cuda.Stream requires CUDA support", "this variant creates CUDA streams at construction"),
+    ("is supported only for CUDA, XPU and ROCm", "its MLP asks for an activation vLLM implements only for "
+     "CUDA, XPU and ROCm"),
     ("Sparse Attention is not supported on CPU", "its sparse attention has no backend in vLLM's CPU build"),
     ("WorkspaceManager not initialized", "its attention takes scratch space from vLLM's workspace manager, which "
      "only vLLM's GPU worker sets up (its CPU worker never does)"),

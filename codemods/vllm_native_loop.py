@@ -1,0 +1,199 @@
+"""The layer loop of a vLLM PP decoder and the plan of its rewrite, as data: the loop forms vLLM uses
+(``islice(self.layers, self.start_layer, self.end_layer)``, a slice, ``enumerate`` of either,
+``islice(enumerate(...))``, ``range(start, end)``), how to read the loop's global layer index, the
+``ForwardPlan`` record and ``Decline``. Pure libcst; imports no vLLM and no other vllm_native_* module."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import libcst as cst
+import libcst.matchers as m
+
+from pipespec.codemods.vllm_forward_shape import own_scope, self_attr
+
+FLAG = "supports_aux_hidden_states_over_pp"
+CAPTURE_CALLS = ("_maybe_add_hidden_state",)
+START, END = self_attr("start_layer"), self_attr("end_layer")
+_ISLICE = m.Call(func=m.Name("islice") | m.Attribute(attr=m.Name("islice")),
+                 args=[m.Arg(self_attr()), m.Arg(START), m.Arg(END)])
+_SLICE = m.Subscript(value=self_attr(), slice=[m.SubscriptElement(m.Slice(lower=START, upper=END, step=None))])
+STAGE_LAYERS = _ISLICE | _SLICE
+_ENUMERATE = m.Call(func=m.Name("enumerate"), args=[m.Arg(STAGE_LAYERS, keyword=None), m.ZeroOrMore()])
+_ISLICE_ENUM = m.Call(func=m.Name("islice") | m.Attribute(attr=m.Name("islice")),
+                      args=[m.Arg(m.Call(func=m.Name("enumerate"), args=[m.Arg(self_attr())])), m.Arg(START), m.Arg(END)])
+_RANGE = m.Call(func=m.Name("range"), args=[m.Arg(START), m.Arg(END)])
+STAGE_LOOP_ITER = STAGE_LAYERS | _ENUMERATE | _ISLICE_ENUM | _RANGE
+INTERMEDIATE = m.Call(func=m.Name("IntermediateTensors") | m.Attribute(attr=m.Name("IntermediateTensors")))
+RANK = m.Attribute(value=m.Call(func=m.Name("get_pp_group"), args=[]), attr=m.Name("is_first_rank") | m.Name("is_last_rank"))
+
+
+class Decline(Exception):
+    """The decoder cannot be rewritten safely: ``reason`` names the construct, ``node`` where it is."""
+
+    def __init__(self, reason: str, node: cst.CSTNode) -> None:
+        super().__init__(reason)
+        self.reason, self.node = reason, node
+
+
+def code_of(node: cst.CSTNode) -> str:
+    """One-line source text of a node, for messages."""
+    text = cst.Module([]).code_for_node(node).strip()
+    text = " ".join(text.split())
+    return text if len(text) <= 90 else text[:87] + "..."
+
+
+def params_of(fn: cst.FunctionDef) -> set[str]:
+    p = fn.params
+    return {x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)}
+
+
+def methods(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
+    """The class's own methods by name (the last definition wins, as in Python)."""
+    body = cls.body.body if isinstance(cls.body, cst.IndentedBlock) else ()
+    return {s.name.value: s for s in body if isinstance(s, cst.FunctionDef)}
+
+
+def own_flag(cls: cst.ClassDef) -> cst.SimpleStatementLine | None:
+    """The class-body line ``supports_aux_hidden_states_over_pp = ...``, if the class sets it itself."""
+    body = cls.body.body if isinstance(cls.body, cst.IndentedBlock) else ()
+    for stmt in body:
+        if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(FLAG))])
+                                                      | m.AnnAssign(target=m.Name(FLAG))])):
+            return cst.ensure_type(stmt, cst.SimpleStatementLine)
+    return None
+
+
+def stage_loops(fn: cst.FunctionDef) -> list[cst.For]:
+    return [loop for loop in own_scope(fn).loops if m.matches(loop.iter, STAGE_LOOP_ITER)]
+
+
+def is_pp_decoder(cls: cst.ClassDef) -> bool:
+    """A forward that takes ``intermediate_tensors`` and loops over this stage's layers."""
+    forward = methods(cls).get("forward")
+    return forward is not None and "intermediate_tensors" in params_of(forward) and bool(stage_loops(forward))
+
+
+@dataclass(frozen=True)
+class Loop:
+    """The layer loop, how to read its global index, and what to rewrite in its header."""
+
+    node: cst.For
+    layers_attr: str
+    next_id: cst.BaseExpression  # the aux id after this iteration's layer: ``idx + 1`` with a global idx
+    new_iter: cst.BaseExpression | None
+    new_target: cst.BaseAssignTargetExpression | None
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """Everything the rewrite of one decoder's forward needs."""
+
+    loop: Loop
+    hidden: str
+    residual: str | None  # the name sent as ``"residual"`` to the next stage (None: no separate residual)
+    residual_bound_before_loop: bool
+    nonlast: tuple[cst.Return, ...]  # ``return IntermediateTensors({...})``
+    last: tuple[cst.Return, ...]  # the last rank's ``return <hidden>``
+    remove: tuple[cst.CSTNode, ...]  # the old PP=1-only capture: statements to drop
+    aux: str  # the name of the local aux list
+    has_rank_check: bool  # forward already asks get_pp_group() (else the rewrite adds the first-rank check)
+    own_capture: bool = False  # the loop keeps the model's own after-layer capture (see own_value_captures)
+    before_capture: cst.If | None = None  # the model's own capture before each layer, kept and guarded ...
+    end_capture: cst.If | None = None  # ... and its `self.end_layer` capture, moved before the non-last return
+    stale_residual: bool = False  # the layers rebind the residual they are passed: the stream is hidden alone
+    #: (layer variable, classes that rebind it): the layer classes disagree (picked by config: Molmo's
+    #: norm_after), so each capture after a layer asks which class just ran
+    stale_for: tuple[str, tuple[str, ...]] | None = None
+
+
+def parse_loop(loop: cst.For, used: set[str]) -> Loop:
+    it, target = loop.iter, loop.target
+    one = cst.Integer("1")
+
+    def plus_one(idx: str) -> cst.BaseExpression:
+        return cst.BinaryOperation(cst.Name(idx), cst.Add(), one)
+
+    if m.matches(it, _RANGE):
+        if not isinstance(target, cst.Name):
+            raise Decline(f"the range loop's target `{code_of(target)}` is not one name", loop)
+        idx = target.value
+        subs = m.findall(loop.body, m.Subscript(value=self_attr(), slice=[m.SubscriptElement(m.Index(m.Name(idx)))]))
+        attrs = {cst.ensure_type(cst.ensure_type(s, cst.Subscript).value, cst.Attribute).attr.value for s in subs}
+        if len(attrs) != 1:
+            raise Decline(f"the range loop indexes {len(attrs)} module lists with `{idx}` (expected one: self.layers[{idx}])", loop)
+        return Loop(loop, attrs.pop(), plus_one(idx), None, None)
+    if m.matches(it, _ISLICE_ENUM):
+        inner = cst.ensure_type(cst.ensure_type(it, cst.Call).args[0].value, cst.Call)
+        attr = cst.ensure_type(inner.args[0].value, cst.Attribute).attr.value
+        if not m.matches(target, m.Tuple([m.Element(m.Name()), m.Element()])):
+            raise Decline(f"the islice(enumerate(...)) loop's target `{code_of(target)}` is not `index, layer`", loop)
+        idx = cst.ensure_type(cst.ensure_type(target, cst.Tuple).elements[0].value, cst.Name).value
+        return Loop(loop, attr, plus_one(idx), None, None)
+    enumerated = m.matches(it, _ENUMERATE)
+    args = cst.ensure_type(it, cst.Call).args if enumerated else ()
+    stage_layers = args[0].value if enumerated else it
+    attr = cst.ensure_type(m.findall(stage_layers, self_attr())[0], cst.Attribute).attr.value
+    if not enumerated:
+        idx = fresh("idx", used)
+        new_iter = cst.Call(cst.Name("enumerate"), [
+            cst.Arg(stage_layers, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+            cst.Arg(START_EXPR(), keyword=cst.Name("start"), equal=cst.AssignEqual(
+                whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")))])
+        new_target = cst.Tuple([cst.Element(cst.Name(idx), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                                cst.Element(target)], lpar=[], rpar=[])
+        return Loop(loop, attr, plus_one(idx), new_iter, new_target)
+    if not m.matches(target, m.Tuple([m.Element(m.Name()), m.Element()])):
+        raise Decline(f"the enumerate loop's target `{code_of(target)}` is not `index, layer`", loop)
+    idx = cst.ensure_type(cst.ensure_type(target, cst.Tuple).elements[0].value, cst.Name).value
+    if len(args) == 1:  # counts from 0 on every stage: the global id is start_layer + idx + 1
+        return Loop(loop, attr, cst.parse_expression(f"self.start_layer + {idx} + 1"), None, None)
+    if len(args) == 2 and m.matches(args[1].value, START) and (args[1].keyword is None or args[1].keyword.value == "start"):
+        return Loop(loop, attr, plus_one(idx), None, None)
+    raise Decline(f"the enumerate loop counts from `{code_of(args[1].value)}`, not self.start_layer", loop)
+
+
+def START_EXPR() -> cst.Attribute:  # noqa: N802 - reads like the constant it builds
+    return cst.Attribute(cst.Name("self"), cst.Name("start_layer"))
+
+
+def fresh(base: str, used: set[str]) -> str:
+    name, n = base, 1
+    while name in used:
+        name, n = f"{base}_{n}", n + 1
+    return name
+
+
+
+def layer_call_at(loop: cst.For, parsed: Loop) -> int | None:
+    """Index, in the loop body, of the statement that calls the layer (``layer(...)`` / ``self.layers[i](...)``)."""
+    target = loop.target
+    names = {cst.ensure_type(target.elements[-1].value, cst.Name).value} if (
+        isinstance(target, cst.Tuple) and isinstance(target.elements[-1].value, cst.Name)) else set()
+    if isinstance(target, cst.Name) and not m.matches(loop.iter, _RANGE):  # `for layer in islice(...)`
+        names.add(target.value)
+    body = list(cst.ensure_type(loop.body, cst.IndentedBlock).body)
+    indexed = m.Subscript(value=self_attr(parsed.layers_attr))
+    for stmt in body:  # `layer = self.layers[i]` in a range loop
+        if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name())], value=indexed)])):
+            names.add(cst.ensure_type(cst.ensure_type(stmt.body[0], cst.Assign).targets[0].target, cst.Name).value)  # type: ignore[attr-defined]
+    call = m.Call(func=m.OneOf(*(m.Name(n) for n in names)) | indexed) if names else m.Call(func=indexed)
+    for i, stmt in enumerate(body):
+        if m.findall(stmt, m.Assign(value=call)):
+            return i
+    return None
+
+
+
+def code_of_lines(node: cst.CSTNode) -> int:
+    return cst.Module([]).code_for_node(node).strip("\n").count("\n")
+
+
+
+
+# name, the class whose module sees it -> the classes it means there (one; several for a module-level
+# table such as Jamba's ALL_DECODER_LAYER_TYPES = {"attention": A, "mamba": B}), each with the lookup of
+# its own module; [] where the source does not say
+ClassLookup = Callable[[str, "cst.ClassDef | None"], "list[tuple[cst.ClassDef, ClassLookup]]"]
+

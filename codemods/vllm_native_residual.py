@@ -1,0 +1,302 @@
+"""Does a decoder's layer read the residual it is passed? Read from the layer classes' own ``forward``
+(same file, module-level tables, base classes, imports through ``ClassLookup``): where every layer rebinds
+it first (post-norm, parallel blocks) the stream at a layer boundary is the hidden states alone. Pure
+libcst on source; imports no vLLM."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Sequence
+
+import libcst as cst
+import libcst.matchers as m
+
+from pipespec.codemods.vllm_forward_shape import is_docstring, names_in, self_attr
+from pipespec.codemods.vllm_native_loop import (
+    ClassLookup,
+    Decline,
+    ForwardPlan,
+    Loop,
+    code_of,
+    layer_call_at,
+    methods,
+    params_of,
+)
+
+# ------------------------------------------------------------------ does a layer read the residual?
+_NOT_LAYERS = frozenset({"make_layers", "maybe_prefix", "extract_layer_index", "PPMissingLayer", *dir(builtins)})
+
+def residual_read(cls: cst.ClassDef, plan: ForwardPlan, lookup: ClassLookup,
+                  own_classes: set[str] | None = None) -> bool | tuple[str, tuple[str, ...]]:
+    """Whether the decoder's layers read the residual the loop passes them.
+
+    False where every layer class's ``forward`` rebinds that parameter before reading it (post-norm and
+    parallel blocks: ``residual = hidden_states`` first): the ``residual`` they return is stale and the
+    stream at a layer boundary is the returned hidden states alone. ``lookup(name, context)`` finds a
+    class by name as the module that defines ``context`` sees it (its own classes and its imports), with
+    the lookup that applies inside the class found. ``Decline`` where the layer classes or their
+    ``forward`` cannot be found from the source, or where they disagree. Given ``own_classes`` (the file's
+    top-level class names), disagreeing classes that ``isinstance`` on the loop's layer variable tells
+    apart are answered ``(layer variable, the classes that rebind it)`` instead (Molmo)."""
+    assert plan.residual is not None
+    loop = plan.loop.node
+    at = layer_call_at(loop, plan.loop)
+    inside = list(cst.ensure_type(loop.body, cst.IndentedBlock).body)
+    calls = [] if at is None else [cst.ensure_type(cst.ensure_type(a, cst.Assign).value, cst.Call)
+                                   for a in m.findall(inside[at], m.Assign(value=m.Call()))]
+    if not calls:
+        raise Decline("cannot find the layer call in the layer loop, so whether a layer reads the residual it is "
+                      "passed cannot be told", loop)
+    call = calls[0]
+    slot: int | str | None = None
+    for i, arg in enumerate(call.args):
+        if m.matches(arg.value, m.Name(plan.residual)):
+            slot = arg.keyword.value if arg.keyword is not None else i
+    if slot is None:  # the layers are not passed the residual: they cannot read it
+        return False
+    found = _layer_classes(cls, plan.loop.layers_attr, lookup)
+    if isinstance(found, cst.CSTNode):
+        built = f"`{code_of(found)}`" if not isinstance(found, cst.Name) else f"{found.value} of {cls.name.value} or a base"
+        raise Decline(f"the layer classes of self.{plan.loop.layers_attr} cannot be found from the source (built by "
+                      f"{built}), so whether a layer reads the residual it returns cannot be told: "
+                      "the stream at a layer boundary is hidden_states + residual only if it does", call)
+    verdicts: dict[str, bool] = {}
+    for layer, layer_lookup in found:
+        verdicts[layer.name.value] = _forward_reads(layer, layer_lookup, slot, plan.residual, call)
+    if len(set(verdicts.values())) > 1 and own_classes is not None:
+        stale = tuple(n for n, v in verdicts.items() if not v)
+        if _told_apart(call, found, verdicts, own_classes):
+            return cst.ensure_type(call.func, cst.Name).value, stale
+    if len(set(verdicts.values())) > 1:
+        reads = ", ".join(n for n, v in verdicts.items() if v)
+        not_reads = ", ".join(n for n, v in verdicts.items() if not v)
+        raise Decline(f"the layer classes disagree on the residual: {reads} read it, {not_reads} rebind it before "
+                      "reading it, so whether the stream at a layer boundary includes the residual depends on the "
+                      "layer (or the config) and no one capture is right", call)
+    return next(iter(verdicts.values()))
+
+
+def _told_apart(call: cst.Call, found: Sequence[tuple[cst.ClassDef, ClassLookup]], verdicts: dict[str, bool],
+                own_classes: set[str]) -> bool:
+    """``isinstance(<layer>, Stale...)`` is exactly "this layer rebinds the residual": the layer is called
+    through a plain name, every class is the file's own (its name is bound in the module), and no class
+    that reads the residual derives from one that rebinds it."""
+    if not isinstance(call.func, cst.Name) or not set(verdicts) <= own_classes:
+        return False
+    stale = {n for n, v in verdicts.items() if not v}
+    by_name = {c.name.value: c for c, _ in found}
+    for name, reads in verdicts.items():
+        if reads and _ancestors(by_name[name], by_name) & stale:
+            return False
+    return True
+
+
+def _ancestors(cls: cst.ClassDef, by_name: dict[str, cst.ClassDef]) -> set[str]:
+    out: set[str] = set()
+    todo = [cls]
+    while todo:
+        for arg in todo.pop().bases:
+            if isinstance(arg.value, cst.Name) and arg.value.value not in out:
+                out.add(arg.value.value)
+                if arg.value.value in by_name:
+                    todo.append(by_name[arg.value.value])
+    return out
+
+
+def _forward_reads(layer: cst.ClassDef, lookup: ClassLookup, slot: int | str, residual: str, call: cst.Call) -> bool:
+    seen = 0
+    while "forward" not in methods(layer):
+        bases = [a.value for a in layer.bases if a.keyword is None and isinstance(a.value, cst.Name)]
+        nxt = None
+        for base in bases:
+            hits = lookup(base.value, layer)
+            nxt = hits[0] if len(hits) == 1 else None
+            if nxt is not None:
+                break
+        seen += 1
+        if nxt is None or seen > 5:
+            raise Decline(f"{layer.name.value} defines no forward and its bases cannot be found from the source, so "
+                          "whether a layer reads the residual cannot be told", call)
+        layer, lookup = nxt
+    fn = methods(layer)["forward"]
+    p = fn.params
+    positional = [x.name.value for x in (*p.posonly_params, *p.params)][1:]  # without self
+    if isinstance(slot, int):
+        name = positional[slot] if slot < len(positional) else None
+    else:
+        name = slot if slot in params_of(fn) else None
+    if name is None:
+        raise Decline(f"{layer.name.value}.forward takes no parameter for the residual the loop passes "
+                      f"(`{code_of(call)}`), so whether it reads it cannot be told", call)
+    body = cst.ensure_type(fn.body, cst.IndentedBlock).body
+    for stmt in body:
+        if is_docstring(stmt) or name not in names_in(stmt):
+            continue
+        if (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign)
+                and any(m.matches(t.target, m.Name(name)) for t in stmt.body[0].targets)
+                and name not in names_in(stmt.body[0].value)):
+            return False  # rebound from something else before any read
+        return True
+    return False  # never used
+
+
+def _layer_classes(cls: cst.ClassDef, attr: str, lookup: ClassLookup
+                   ) -> list[tuple[cst.ClassDef, ClassLookup]] | cst.CSTNode:
+    """The classes ``cls.__init__`` builds into ``self.<attr>`` (following an inherited ``__init__``), or
+    the node that builds them where they cannot be found."""
+    owner, own_lookup = cls, lookup
+    overrides: dict[str, tuple[cst.ClassDef, ClassLookup]] = {}  # parameter -> class a subclass passes
+    target = self_attr(attr)
+    for _ in range(6):
+        init = methods(owner).get("__init__")
+        built: list[cst.BaseExpression] = []
+        if init is not None:
+            built = [cst.ensure_type(a, cst.Assign).value for a in m.findall(init, m.Assign())
+                     if any(m.findall(t.target, target) for t in cst.ensure_type(a, cst.Assign).targets)]
+            if built:
+                break
+            for other in methods(owner).values():  # built by a helper __init__ calls (MiniCPM's _init_layers)
+                found_here = [cst.ensure_type(a, cst.Assign).value for a in m.findall(other, m.Assign())
+                              if any(m.findall(t.target, target) for t in cst.ensure_type(a, cst.Assign).targets)]
+                if found_here and m.findall(init, m.Call(func=self_attr(other.name.value))):
+                    init, built = other, found_here
+                    break
+            if built:
+                break
+            sup = m.findall(init, m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__"))))
+            if not sup:
+                return init.name
+            p = init.params
+            defaults = {x.name.value: x.default for x in (*p.params, *p.kwonly_params) if x.default is not None}
+            passed: dict[str, tuple[cst.ClassDef, ClassLookup]] = {}
+            for arg in cst.ensure_type(sup[0], cst.Call).args:
+                if arg.keyword is None or not isinstance(arg.value, cst.Name):
+                    continue
+                name = arg.value.value
+                if name in overrides:
+                    passed[arg.keyword.value] = overrides[name]
+                    continue
+                default = defaults.get(name)
+                ref = default.value if isinstance(default, cst.Name) else name
+                found = own_lookup(ref, owner)
+                if len(found) == 1:
+                    passed[arg.keyword.value] = found[0]
+            overrides = passed
+        bases = [a.value for a in owner.bases if a.keyword is None and isinstance(a.value, cst.Name)]
+        nxt = next((x[0] for x in (own_lookup(b.value, owner) for b in bases) if len(x) == 1), None)
+        if nxt is None:
+            return init.name if init is not None else cls.name
+        owner, own_lookup = nxt
+    if len(built) != 1 or init is None:
+        return cls.name
+    value = built[0]
+    locals_ = {s.name.value: s for s in m.findall(init.body, m.FunctionDef()) if isinstance(s, cst.FunctionDef)}
+    assigned = {cst.ensure_type(cst.ensure_type(a, cst.Assign).targets[0].target, cst.Name).value: cst.ensure_type(a, cst.Assign).value
+                for a in m.findall(init.body, m.Assign(targets=[m.AssignTarget(m.Name())]))}
+    p = init.params
+    defaults = {x.name.value: x.default for x in (*p.params, *p.kwonly_params) if x.default is not None}
+    out: list[tuple[cst.ClassDef, ClassLookup]] = []
+
+    def resolve(name: str, depth: int) -> bool:
+        if depth > 4:
+            return False
+        if name in overrides:
+            out.append(overrides[name])
+            return True
+        if name in defaults:
+            d = defaults[name]
+            return isinstance(d, cst.Name) and resolve(d.value, depth + 1)
+        if name in locals_:
+            return scan(locals_[name].body, depth + 1)
+        if name in assigned:  # `layer_class = A if c else B`, `= TABLE[key]`, `= types or TABLE`, `= types[key]`
+            names = _class_refs(assigned[name]) - {name}
+            none_default = {n for n, d in defaults.items() if m.matches(d, m.Name("None"))}
+            upper = [n for n in names if n[:1].isupper() and n not in ("None", "True", "False")]
+            chained = [n for n in names - set(upper) - none_default if n in assigned or n in locals_ or n in defaults]
+            if not all(resolve(n, depth + 1) for n in upper):
+                return False
+            got = bool(upper)
+            for n in chained:
+                got = resolve(n, depth + 1) or got
+            return got
+        found = own_lookup(name, owner)
+        out.extend(found)
+        return bool(found)
+
+    def scan(node: cst.CSTNode, depth: int) -> bool:
+        ok = False
+        for ref in {n.value for n in m.findall(node, m.Name()) if isinstance(n, cst.Name)} & set(locals_):
+            if not m.findall(node, m.Call(func=m.Name(ref))):  # a local builder passed by name (make_layers(n, get_layer))
+                if not resolve(ref, depth):
+                    return False
+                ok = True
+        for c in m.findall(node, m.Call()):
+            func = cst.ensure_type(c, cst.Call).func
+            if isinstance(func, cst.Name):
+                if func.value in _NOT_LAYERS:
+                    continue
+                if not resolve(func.value, depth):
+                    return False
+                ok = True
+            elif m.matches(func, m.Attribute(value=m.Name("self"))):
+                ref = cst.ensure_type(func, cst.Attribute).attr.value
+                value = _class_attr(owner, ref)
+                if not isinstance(value, cst.Name) or not resolve(value.value, depth + 1):
+                    return False
+                ok = True
+        return ok
+
+    return out if scan(value, 0) and out else value
+
+
+def _class_attr(cls: cst.ClassDef, name: str) -> cst.BaseExpression | None:
+    """The value of ``name = ...`` / ``name: T = ...`` in the class body itself."""
+    body = cls.body.body if isinstance(cls.body, cst.IndentedBlock) else ()
+    for stmt in body:
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            continue
+        for small in stmt.body:
+            if isinstance(small, cst.Assign) and any(m.matches(t.target, m.Name(name)) for t in small.targets):
+                return small.value
+            if isinstance(small, cst.AnnAssign) and m.matches(small.target, m.Name(name)):
+                return small.value
+    return None
+
+
+def _class_refs(expr: cst.BaseExpression) -> set[str]:
+    """Names in the positions where an expression's value *is* that name: ``A``, ``A if c else B``,
+    ``x or A``, ``A[key]`` (a table of classes); not call arguments, annotations or attribute bases."""
+    if isinstance(expr, cst.Name):
+        return {expr.value}
+    if isinstance(expr, cst.IfExp):
+        return _class_refs(expr.body) | _class_refs(expr.orelse)
+    if isinstance(expr, cst.BooleanOperation):
+        return _class_refs(expr.left) | _class_refs(expr.right)
+    if isinstance(expr, cst.Subscript):
+        return _class_refs(expr.value)
+    return set()
+
+
+def unsent_stale_residual(cls: cst.ClassDef, fn: cst.FunctionDef, loop: cst.For, parsed: Loop, hidden: str,
+                           residual: str | None, lookup: ClassLookup | None) -> str | None:
+    """The name the layer call binds after ``hidden`` when the next stage is sent no residual and every
+    layer class rebinds that parameter before reading it (``residual = hidden_states`` first; Gemma4's
+    layers return ``(hidden_states, None)``): nothing is carried in it, so the stream is ``hidden`` alone."""
+    if residual is not None or lookup is None:
+        return None
+    at = layer_call_at(loop, parsed)
+    inside = list(cst.ensure_type(loop.body, cst.IndentedBlock).body)
+    if at is None:
+        return None
+    for assign in m.findall(inside[at], m.Assign(targets=[m.AssignTarget(m.Tuple())], value=m.Call())):
+        names = [e.value for e in cst.ensure_type(cst.ensure_type(assign, cst.Assign).targets[0].target, cst.Tuple).elements]
+        if len(names) == 2 and m.matches(names[0], m.Name(hidden)) and isinstance(names[1], cst.Name):
+            carried = names[1].value
+            plan = ForwardPlan(parsed, hidden, carried, False, (), (), (), "", False)
+            try:
+                return None if residual_read(cls, plan, lookup) is True else carried
+            except Decline:  # the layer classes cannot be read: `carried` may carry state (declined below)
+                return None
+    return None
+
+
