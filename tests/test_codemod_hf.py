@@ -234,31 +234,31 @@ class TestAdaptHFStageForward(CodemodTest):
         code, _ = run(
             tiny_module(
                 """
-                def forward(self, input_ids=None, inputs_embeds=None):
-                    if inputs_embeds is None:
-                        inputs_embeds = self.embed_tokens(input_ids)
+                def forward(self, input_ids=None, inputs_embeds=None, **kwargs):
+                    inputs_embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
                     hidden_states = inputs_embeds
-                    for idx, decoder_layer in enumerate(self.layers):
-                        while self.hooks_pending(idx):
-                            if self.hook_done(idx):
+                    for i in range(self.config.num_hidden_layers):
+                        while self.hooks_pending(i):
+                            if self.hook_done(i):
                                 continue
-                            self.run_hook(idx)
-                        if self.skip_layer[idx]:
+                            self.run_hook(i)
+                        if self.skip_layer[i]:
                             continue
-                        hidden_states = decoder_layer(hidden_states)
+                        hidden_states = self.layers[i](hidden_states)
                     return self.norm(hidden_states)
                 """
             )
         )
-        inner = "                if self.hook_done(idx):\n                    continue\n"
+        inner = "                if self.hook_done(i):\n                    continue\n"
         own = (
-            "            if self.skip_layer[idx]:\n"
-            "                if idx in self.aux_capture_after_layers:\n"
+            "            if self.skip_layer[i]:\n"
+            "                if i in self.aux_capture_after_layers:\n"
             "                    pipespec_aux_hidden_states.append(hidden_states)\n"
             "                continue\n"
         )
+        assert "        for i in range(self.start_layer, self.end_layer):\n" in code
         assert inner in code and own in code
-        assert code.count("if idx in self.aux_capture_after_layers:") == 2
+        assert code.count("if i in self.aux_capture_after_layers:") == 2
 
     def test_second_run_changes_nothing(self) -> None:
         """Idempotent: T(T(x)) == T(x), no warnings for a class this spec already adapted."""
