@@ -67,22 +67,7 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int],
     loop = loops[0]
     body = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
     if not any(s is loop for s in body):
-        try:
-            runs = layer_call_at(loop, parse_loop(loop, names_in(fn))) is not None
-        except Decline:
-            runs = True
-        if not runs:
-            raise Decline(f"forward's only loop over this stage's layers (`for ... in {code_of(loop.iter)}`, nested "
-                          "in another statement) does not call them: the layers run elsewhere (a helper method), "
-                          "which this rewrite does not follow", loop)
-        outer = next((st for st in body if any(x is loop for x in m.findall(st, m.For()))), None)
-        if isinstance(outer, (cst.For, cst.While)):
-            head = f"for ... in {code_of(outer.iter)}" if isinstance(outer, cst.For) else f"while {code_of(outer.test)}"
-            raise Decline(f"the layer loop `for ... in {code_of(loop.iter)}` runs inside `{head}`: every layer "
-                          "runs once per outer iteration, so a layer boundary (an aux id) names several states and no "
-                          "one capture is the stream there", loop)
-        raise Decline(f"the layer loop `for ... in {code_of(loop.iter)}` is nested inside another statement "
-                      "(only a loop at forward's top level is understood)", loop)
+        _decline_nested(fn, body, loop)
     if loop.orelse is not None:
         raise Decline("the layer loop has an else branch", loop)
     scope = own_scope(fn)
@@ -94,25 +79,7 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int],
         raise Decline("forward yields: only a function that returns is understood", yields[0])
     used = names_in(fn)
     parsed = parse_loop(loop, used)
-    loop_end = line_of(loop) + code_of_lines(loop)
-    nonlast, last = [], []
-    never_drafted = _fast_prefill_returns(cls, body, loop)
-    for ret in scope.returns:
-        if id(ret) in never_drafted:
-            continue  # left as it is: that path runs without any drafter
-        if line_of(ret) < line_of(loop):
-            owner = next((s for s in body if any(x is ret for x in m.findall(s, m.Return()))), None)
-            where = f" in `{code_of(owner.test)}`" if isinstance(owner, cst.If) else ""
-            raise Decline(f"forward returns before its layer loop (`{code_of(ret)}`{where}): that path would hand "
-                          "on no aux states and pack none for the next rank", ret)
-        if line_of(ret) < loop_end:
-            raise Decline(f"forward returns inside its layer loop (`{code_of(ret)}`)", ret)
-        if m.matches(ret.value, INTERMEDIATE):
-            nonlast.append(ret)
-        elif ret.value is None:
-            raise Decline("forward has a bare `return`: the last rank must return the hidden states", ret)
-        else:
-            last.append(ret)
+    nonlast, last = _returns(cls, fn, body, loop, scope.returns, line_of)
     if not nonlast:
         raise Decline("forward never returns IntermediateTensors({...}) for non-last ranks: it does not support "
                       "pipeline parallelism", fn)
@@ -135,23 +102,7 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int],
         stale = unsent_stale_residual(cls, fn, loop, parsed, hidden, residual, lookup)
         _check_layer_call(fn, loop, hidden, residual or stale)
         _check_after_loop(fn, body, loop, hidden, residual, nonlast)
-    kept = {id(s) for s in own}
-    at = next(i for i, s in enumerate(body) if s is loop)
-    epilogue = {id(s) for s in body[at + 1:] if is_sequence_parallel_epilogue(s)}
-    for name in aux | {"aux_hidden_state_layers", "_maybe_add_hidden_state"}:
-        for stmt in [*body, *cst.ensure_type(loop.body, cst.IndentedBlock).body]:
-            if stmt is loop or id(stmt) in removed or id(stmt) in kept or (id(stmt) in epilogue and name in aux):
-                continue
-            if own and name == "aux_hidden_state_layers" and not (names_in(stmt) & aux):
-                continue  # reads the ids only (e.g. reuses the last capture's reconstruction), captures nothing
-            if name in names_in(stmt):
-                gathers = sorted(n for n in names_in(stmt) if "gather" in n)
-                if gathers:
-                    raise Decline(f"`{code_of(stmt)}`: the existing capture gathers sequence-parallel shards "
-                                  f"({', '.join(gathers)}) before keeping a state; the contract's capture of the "
-                                  "stage's own tensors would keep shards", stmt)
-                raise Decline(f"`{code_of(stmt)}` uses {name} in a way the rewrite does not understand (it "
-                              "captures something other than hidden_states (+ residual) at a layer boundary)", stmt)
+    _check_aux_uses(body, loop, aux, removed, {id(st) for st in own}, bool(own))
     for ret in last:
         if isinstance(ret.value, cst.Tuple) and not any(r is ret for g in remove for r in m.findall(g, m.Return())):
             raise Decline(f"the last rank already returns a tuple (`{code_of(ret)}`)", ret)
@@ -168,6 +119,74 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int],
         aux_name = next(iter(aux))
     return ForwardPlan(parsed, hidden, residual, bound, tuple(nonlast), tuple(last), tuple(remove), aux_name,
                        rank_check, bool(own) and ahead is None, ahead, end)
+
+
+def _decline_nested(fn: cst.FunctionDef, body: list[cst.BaseStatement], loop: cst.For) -> None:
+    """``Decline`` for the layer loop nested in another statement, saying what it is nested in."""
+    try:
+        runs = layer_call_at(loop, parse_loop(loop, names_in(fn))) is not None
+    except Decline:
+        runs = True
+    if not runs:
+        raise Decline(f"forward's only loop over this stage's layers (`for ... in {code_of(loop.iter)}`, nested "
+                      "in another statement) does not call them: the layers run elsewhere (a helper method), "
+                      "which this rewrite does not follow", loop)
+    outer = next((st for st in body if any(x is loop for x in m.findall(st, m.For()))), None)
+    if isinstance(outer, (cst.For, cst.While)):
+        head = f"for ... in {code_of(outer.iter)}" if isinstance(outer, cst.For) else f"while {code_of(outer.test)}"
+        raise Decline(f"the layer loop `for ... in {code_of(loop.iter)}` runs inside `{head}`: every layer "
+                      "runs once per outer iteration, so a layer boundary (an aux id) names several states and no "
+                      "one capture is the stream there", loop)
+    raise Decline(f"the layer loop `for ... in {code_of(loop.iter)}` is nested inside another statement "
+                  "(only a loop at forward's top level is understood)", loop)
+
+
+def _returns(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStatement], loop: cst.For,
+             returns: Sequence[cst.Return], line_of: Callable[[cst.CSTNode], int]) -> tuple[list[cst.Return], list[cst.Return]]:
+    """(non-last-rank ``return IntermediateTensors(...)``, last-rank returns), after the layer loop;
+    ``Decline`` for a return before or inside it (except on a path no drafter runs) or a bare one."""
+    loop_end = line_of(loop) + code_of_lines(loop)
+    nonlast, last = [], []
+    never_drafted = _fast_prefill_returns(cls, body, loop)
+    for ret in returns:
+        if id(ret) in never_drafted:
+            continue  # left as it is: that path runs without any drafter
+        if line_of(ret) < line_of(loop):
+            owner = next((s for s in body if any(x is ret for x in m.findall(s, m.Return()))), None)
+            where = f" in `{code_of(owner.test)}`" if isinstance(owner, cst.If) else ""
+            raise Decline(f"forward returns before its layer loop (`{code_of(ret)}`{where}): that path would hand "
+                          "on no aux states and pack none for the next rank", ret)
+        if line_of(ret) < loop_end:
+            raise Decline(f"forward returns inside its layer loop (`{code_of(ret)}`)", ret)
+        if m.matches(ret.value, INTERMEDIATE):
+            nonlast.append(ret)
+        elif ret.value is None:
+            raise Decline("forward has a bare `return`: the last rank must return the hidden states", ret)
+        else:
+            last.append(ret)
+    return nonlast, last
+
+
+def _check_aux_uses(body: list[cst.BaseStatement], loop: cst.For, aux: set[str], removed: set[int], kept: set[int],
+                    own: bool) -> None:
+    """Every statement left that mentions the aux list or ids is one the rewrite removes or keeps;
+    anything else captures something other than the stream: ``Decline`` naming it."""
+    at = next(i for i, s in enumerate(body) if s is loop)
+    epilogue = {id(s) for s in body[at + 1:] if is_sequence_parallel_epilogue(s)}
+    for name in aux | {"aux_hidden_state_layers", "_maybe_add_hidden_state"}:
+        for stmt in [*body, *cst.ensure_type(loop.body, cst.IndentedBlock).body]:
+            if stmt is loop or id(stmt) in removed or id(stmt) in kept or (id(stmt) in epilogue and name in aux):
+                continue
+            if own and name == "aux_hidden_state_layers" and not (names_in(stmt) & aux):
+                continue  # reads the ids only (e.g. reuses the last capture's reconstruction), captures nothing
+            if name in names_in(stmt):
+                gathers = sorted(n for n in names_in(stmt) if "gather" in n)
+                if gathers:
+                    raise Decline(f"`{code_of(stmt)}`: the existing capture gathers sequence-parallel shards "
+                                  f"({', '.join(gathers)}) before keeping a state; the contract's capture of the "
+                                  "stage's own tensors would keep shards", stmt)
+                raise Decline(f"`{code_of(stmt)}` uses {name} in a way the rewrite does not understand (it "
+                              "captures something other than hidden_states (+ residual) at a layer boundary)", stmt)
 
 
 #: A cache option vLLM refuses together with every EAGLE-family method (``VllmConfig.__post_init__``:

@@ -138,6 +138,22 @@ def test_build_error_of_this_machine_says_it_was_not_checked() -> None:
     assert _environment("PP=1: ValueError: bad size") == "PP=1: ValueError: bad size"
 
 
+@pytest.mark.parametrize(("error", "meaning"), [  # the errors measured in this session's zoo, verbatim
+    ("RuntimeError: Tried to instantiate dummy base class Event", "torch.cuda.Event"),
+    ("RuntimeError: torch.cuda.Stream requires CUDA support", "CUDA streams"),
+    ("NotImplementedError: Sparse Attention is not supported on CPU.", "sparse attention"),
+    ("AssertionError: WorkspaceManager not initialized. Call init_workspace_manager() with a device before using "
+     "workspace functions.", "workspace manager"),
+    ("TypeError: Ernie4_5_VLRotaryEmbedding.forward_native() takes from 3 to 4 positional arguments but 5 were "
+     "given", "forward_cpu"),
+    ("NotImplementedError: is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now", "activation"),
+])
+def test_cpu_build_errors_of_deepseek_ernie_nemotron_are_named(error: str, meaning: str) -> None:
+    """Each stays a failure, with what it means on this CPU build."""
+    reason = _environment(f"PP=1: {error}")
+    assert reason.startswith(f"PP=1: {error} [not checked on this machine: ") and meaning in reason
+
+
 def _cli(*args: str, python: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     cmd = [str(python), "-m", "pipespec.cli"] if python is not None else [str(VENV_PIPESPEC)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
