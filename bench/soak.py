@@ -3,7 +3,7 @@
 A leak in the decode loop (a cache that is never cropped, a buffer reallocated per step, tensors kept in
 a trace, a growing receive buffer) shows as resident memory that climbs with the step count. The run:
 a tiny random Llama target (6 layers, 2 per stage) and a random Format B draft from
-``pipespec.engine.testing`` with aux ids 1, 3, 5 (one produced on each stage, so stage 1 relays one),
+``pipespec.engine.tiny_checkpoints`` with aux ids 1, 3, 5 (one produced on each stage, so stage 1 relays one),
 two prompts (one finishes early, so a finished sequence's caches are freed mid-run), greedy decoding
 with k = 3 for at least 1000 verify steps, ``--ignore-eos``, gloo on CPU — the same stage processes
 ``pipespec generate`` starts.

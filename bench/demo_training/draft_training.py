@@ -36,7 +36,7 @@ from bench.demo_training.loop import (
 )
 from bench.demo_training.presets import GenerationRecipe, Preset
 from pipespec.engine.draft import Eagle3Draft
-from pipespec.engine.testing import target_aux_states
+from pipespec.engine.reference import target_aux_states
 
 STEP_DECAY = 0.8  # TTT step i's loss weighs 0.8**i
 

@@ -22,7 +22,7 @@ from bench.demo_training.presets import Preset
 from bench.demo_training.record import finish, run_record
 from pipespec.engine.draft import Eagle3Draft
 from pipespec.engine.draft_checkpoint import TargetInfo, load_draft_checkpoint
-from pipespec.engine.testing import reference_speculative_generate
+from pipespec.engine.reference import reference_speculative_generate
 
 Log = Callable[[str], None]
 

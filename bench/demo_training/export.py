@@ -36,7 +36,7 @@ def export_draft(draft: Eagle3Draft, draft_dir: Path, aux_ids: Sequence[int]) ->
 def configure_device(device: str) -> None:
     """On CUDA, no cuDNN attention: decoding grows the key length every step, and cuDNN plans per shape."""
     if device == "cuda":
-        from pipespec.engine.worker import configure_cuda_attention
+        from pipespec.engine.stage.settings import configure_cuda_attention
 
         configure_cuda_attention()
 

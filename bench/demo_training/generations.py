@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pipespec.engine.testing import target_aux_states
+from pipespec.engine.reference import target_aux_states
 
 
 @torch.no_grad()
