@@ -1,7 +1,8 @@
 """pipespec: EAGLE3-style speculative decoding under pipeline parallelism, correct by construction.
 
-Layers, bottom up: ``spec`` → ``layout`` → ``mixin`` / ``verify`` / ``registry`` → ``codemods`` and
-``pp`` → ``engine`` → ``cli``. See docs/architecture.md.
+Three parts, bottom up: ``contract`` (spec → layout → intermediate → mixin / verify / registry),
+``integrations`` (``transformers``, ``vllm``; the libcst ``codemods`` both use), and the reference
+``engine`` on the ``pp`` runtime; ``codegen`` and ``cli`` on top. See docs/architecture.md.
 """
 
 from __future__ import annotations
