@@ -62,6 +62,9 @@ Status = Literal["waiting", "running", "finished", "cancelled"]
 # 1.44-2.02x at 256 (c = 128). On the shared 2-core CPU machine three sessions disagree run to run
 # (two micro-batches ÷ one at k = 3: c = 8 0.96 / 1.95 / 0.69, c = 32 1.27 / 1.74 / 0.60, c = 128
 # 1.14 / 1.07); the threshold follows their medians: one at 16 tokens (c = 8), two from 64 (c = 32).
+# 2026-12-02: under load (average 5-8) 0.97 / 0.93 / 0.87 at c = 8 / 32 / 128 (and 0.70 at c = 32 on
+# the demo pair), on the machine quiet (average < 2, runs within 10 %) 1.12 / 1.14 / 1.70 and 0.86 for
+# plain decoding at c = 8: the quiet run agrees with P from 64 at c = 32 and 128; c = 8 stays a near tie.
 MIN_TOKENS_PER_FORWARD = {"cuda": 256, "cpu": 64}
 
 
