@@ -78,11 +78,17 @@ def save_draft_checkpoint(
 
     prefix = LAYER_PREFIX[format]
     tensors: dict[str, torch.Tensor] = {}
-    for key, value in draft.state_dict().items():
+    state = draft.state_dict()
+    # A full-vocabulary draft has the identity map: write none (vLLM's Eagle3 models have no
+    # draft_id_to_target_id parameter then and refuse the tensor; readers imply zeros, as for any
+    # checkpoint without d2t).
+    full_vocab = config.draft_vocab_size == config.vocab_size and not bool(state["d2t"].any())
+    for key, value in state.items():
         if key.startswith("embed_tokens.") and not include_embedding:
             continue
         if key in ("d2t", "t2d"):
-            tensors[key] = value.detach().cpu().contiguous()
+            if not full_vocab:
+                tensors[key] = value.detach().cpu().contiguous()
             continue
         name = prefix + key[len("midlayer."):] if key.startswith("midlayer.") else key
         t = value.detach().cpu()
