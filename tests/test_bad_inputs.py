@@ -171,6 +171,11 @@ def set_tensor(name: str, make: Callable[[torch.Tensor], torch.Tensor]) -> Calla
     return lambda d: edit_tensors(d, lambda t: t.__setitem__(name, make(t[name])))
 
 
+def edit_d2t_out_of_vocab(d: Path) -> None:
+    """Offsets of 500 (the base draft has the full vocabulary, so it is written without d2t)."""
+    edit_tensors(d, lambda t: t.__setitem__("d2t", torch.full((t["lm_head.weight"].shape[0],), 500, dtype=torch.long)))
+
+
 def drop_tensor(name: str) -> Callable[[Path], None]:
     return lambda d: edit_tensors(d, lambda t: t.pop(name))
 
@@ -365,7 +370,7 @@ CASES = [
         lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 2, 6])), base="draft_a"), 1,
         r"aux id 7 .*read as 'output'\) exceeds the target's N=6 layers \(written in the output convention, the largest valid id is N-1\)"),
     # (seen only when the last stage reads the draft's weights)
-    Case("ckpt-draft-d2t-outside-vocab", bad_draft("d2t", set_tensor("d2t", lambda t: t + 500)), 1,
+    Case("ckpt-draft-d2t-outside-vocab", bad_draft("d2t", edit_d2t_out_of_vocab), 1,
          r"stage 1 failed: CheckpointError: \S+bad_d2t: d2t maps draft id 0 to target id 500, outside the target vocabulary \[0, 96\)"),
     Case("ckpt-draft-wrong-dtype", bad_draft("dtype", set_tensor("norm.weight", lambda t: t.to(torch.int32))), 1,
          r"stage 1 failed: CheckpointError: \S+bad_dtype: tensor norm\.weight has dtype torch\.int32, expected floating point"),
