@@ -40,7 +40,7 @@ _ISLICE = m.Call(func=m.Name("islice") | m.Attribute(attr=m.Name("islice")),
 _SLICE = m.Subscript(value=self_attr(), slice=[m.SubscriptElement(m.Slice(lower=START, upper=END, step=None))])
 STAGE_LAYERS = _ISLICE | _SLICE
 ENUMERATE = m.Call(func=m.Name("enumerate"), args=[m.Arg(STAGE_LAYERS, keyword=None), m.ZeroOrMore()])
-_RANGE = m.Call(func=m.Name("range"), args=[m.Arg(START), m.Arg(END)])
+RANGE = m.Call(func=m.Name("range"), args=[m.Arg(START), m.Arg(END)])
 _DOCSTRING = m.SimpleStatementLine(body=[m.Expr(m.SimpleString())])
 
 
@@ -100,7 +100,7 @@ def assigned_leaves(target: cst.BaseExpression) -> list[cst.BaseExpression]:
 
 
 def is_stage_loop(loop: cst.For) -> bool:
-    return m.matches(loop.iter, STAGE_LAYERS | ENUMERATE | _RANGE)
+    return m.matches(loop.iter, STAGE_LAYERS | ENUMERATE | RANGE)
 
 
 def find_layer_loop(fn: cst.FunctionDef) -> int:
@@ -132,7 +132,7 @@ def loop_shape(loop: cst.For, used: set[str]) -> LoopShape:
     new_target: cst.BaseAssignTargetExpression | None = None
     layers_attr: str | None = None
     made_absolute = False
-    if m.matches(it, _RANGE):
+    if m.matches(it, RANGE):
         if not isinstance(target, cst.Name):
             raise ShapeError("the range loop's target is not a single name", loop)
         idx = target.value

@@ -11,20 +11,21 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
-from pipespec.codemods.vllm_forward_shape import own_scope, self_attr
+from pipespec.codemods.vllm_forward_shape import (
+    END,
+    ENUMERATE,
+    RANGE,
+    STAGE_LAYERS,
+    START,
+    own_scope,
+    self_attr,
+)
 
 FLAG = "supports_aux_hidden_states_over_pp"
 CAPTURE_CALLS = ("_maybe_add_hidden_state",)
-START, END = self_attr("start_layer"), self_attr("end_layer")
-_ISLICE = m.Call(func=m.Name("islice") | m.Attribute(attr=m.Name("islice")),
-                 args=[m.Arg(self_attr()), m.Arg(START), m.Arg(END)])
-_SLICE = m.Subscript(value=self_attr(), slice=[m.SubscriptElement(m.Slice(lower=START, upper=END, step=None))])
-STAGE_LAYERS = _ISLICE | _SLICE
-_ENUMERATE = m.Call(func=m.Name("enumerate"), args=[m.Arg(STAGE_LAYERS, keyword=None), m.ZeroOrMore()])
 _ISLICE_ENUM = m.Call(func=m.Name("islice") | m.Attribute(attr=m.Name("islice")),
                       args=[m.Arg(m.Call(func=m.Name("enumerate"), args=[m.Arg(self_attr())])), m.Arg(START), m.Arg(END)])
-_RANGE = m.Call(func=m.Name("range"), args=[m.Arg(START), m.Arg(END)])
-STAGE_LOOP_ITER = STAGE_LAYERS | _ENUMERATE | _ISLICE_ENUM | _RANGE
+STAGE_LOOP_ITER = STAGE_LAYERS | ENUMERATE | _ISLICE_ENUM | RANGE
 INTERMEDIATE = m.Call(func=m.Name("IntermediateTensors") | m.Attribute(attr=m.Name("IntermediateTensors")))
 RANK = m.Attribute(value=m.Call(func=m.Name("get_pp_group"), args=[]), attr=m.Name("is_first_rank") | m.Name("is_last_rank"))
 
@@ -115,7 +116,7 @@ def parse_loop(loop: cst.For, used: set[str]) -> Loop:
     def plus_one(idx: str) -> cst.BaseExpression:
         return cst.BinaryOperation(cst.Name(idx), cst.Add(), one)
 
-    if m.matches(it, _RANGE):
+    if m.matches(it, RANGE):
         if not isinstance(target, cst.Name):
             raise Decline(f"the range loop's target `{code_of(target)}` is not one name", loop)
         idx = target.value
@@ -131,7 +132,7 @@ def parse_loop(loop: cst.For, used: set[str]) -> Loop:
             raise Decline(f"the islice(enumerate(...)) loop's target `{code_of(target)}` is not `index, layer`", loop)
         idx = cst.ensure_type(cst.ensure_type(target, cst.Tuple).elements[0].value, cst.Name).value
         return Loop(loop, attr, plus_one(idx), None, None)
-    enumerated = m.matches(it, _ENUMERATE)
+    enumerated = m.matches(it, ENUMERATE)
     args = cst.ensure_type(it, cst.Call).args if enumerated else ()
     stage_layers = args[0].value if enumerated else it
     attr = cst.ensure_type(m.findall(stage_layers, self_attr())[0], cst.Attribute).attr.value
@@ -171,7 +172,7 @@ def layer_call_at(loop: cst.For, parsed: Loop) -> int | None:
     target = loop.target
     names = {cst.ensure_type(target.elements[-1].value, cst.Name).value} if (
         isinstance(target, cst.Tuple) and isinstance(target.elements[-1].value, cst.Name)) else set()
-    if isinstance(target, cst.Name) and not m.matches(loop.iter, _RANGE):  # `for layer in islice(...)`
+    if isinstance(target, cst.Name) and not m.matches(loop.iter, RANGE):  # `for layer in islice(...)`
         names.add(target.value)
     body = list(cst.ensure_type(loop.body, cst.IndentedBlock).body)
     indexed = m.Subscript(value=self_attr(parsed.layers_attr))
