@@ -41,6 +41,7 @@ def test_every_stage_reports_its_phases_within_its_decode_time(capsys: pytest.Ca
         assert sum(p["s"] for p in phases.values()) <= stage["decode_s"] + 1e-3
         for p in phases.values():
             assert p["ms_per"] * p["n"] == pytest.approx(1e3 * p["s"], abs=0.06)  # s is rounded to 0.1 ms
+            assert p["ms_per"] <= p["max_ms"] + 1e-3 and p["max_ms"] <= 1e3 * p["s"] + 0.06  # the longest span
         assert list(phases) == sorted(phases, key=lambda name: -phases[name]["s"])  # largest first
     # Every round's message is read once (the last one by the turn that finds nothing left to launch).
     assert first["phase_s"]["message"]["n"] == rounds

@@ -41,6 +41,7 @@ class PhaseClock:
         self.device = device
         self.seconds: dict[str, float] = {}
         self.counts: dict[str, int] = {}
+        self.longest: dict[str, float] = {}
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -50,15 +51,19 @@ class PhaseClock:
         finally:
             if self.sync:
                 torch.cuda.synchronize(self.device)
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+            span = time.perf_counter() - started
+            self.seconds[name] = self.seconds.get(name, 0.0) + span
             self.counts[name] = self.counts.get(name, 0) + 1
+            self.longest[name] = max(self.longest.get(name, 0.0), span)
 
     def to_json(self) -> dict[str, dict[str, float]]:
-        """``{phase: {"s": seconds, "n": spans, "ms_per": milliseconds per span}}``, largest first."""
+        """``{phase: {"s": seconds, "n": spans, "ms_per": milliseconds per span, "max_ms": the longest span}}``,
+        largest first (``max_ms`` shows a single stall that ``ms_per`` averages away)."""
         order = sorted(self.seconds, key=self.seconds.__getitem__, reverse=True)
         return {
             name: {"s": round(self.seconds[name], 4), "n": self.counts[name],
-                   "ms_per": round(1e3 * self.seconds[name] / self.counts[name], 4)}
+                   "ms_per": round(1e3 * self.seconds[name] / self.counts[name], 4),
+                   "max_ms": round(1e3 * self.longest[name], 4)}
             for name in order
         }
 

@@ -29,7 +29,10 @@ threshold for the same effect). ``--spec-policy adaptive`` measures instead of g
   measures drafting's τ there (drafting runs anyway) and keeps drafting, without a plain round, while
   τ beats the ρ carried from the nearest measured load at or above it by ``margin``; only a τ that
   falls short (within ``bound_windows`` pooled windows) sends it to measure plain decoding at the new
-  load. Before this, a fixed batch's tail (8 -> 4 -> 2 -> 1 running sequences) measured plain decoding
+  load. τ must also beat drafting's round time now over a plain round's at the carried load (a plain
+  round does not get dearer as rows leave, whatever a drafting round does): on one H200 at c = 32 a
+  drafting round cost 4.5 ms at 32 rows and 6.3-7.1 ms in the tail, against ~3 ms plain at any load, and
+  the ratio carried from full load (1.3) kept drafting through a tail that plain decoding won. Before this, a fixed batch's tail (8 -> 4 -> 2 -> 1 running sequences) measured plain decoding
   at every halving — 19 plain rounds and 6 switches in a 153-round run at c = 8 on one H200, where
   drafting won by 1.2x, and adaptive lost 11 % to ``always``. The periodic re-measuring stays, so a
   wrong ρ bound costs at most one exploit period;
@@ -163,6 +166,7 @@ class SpecPolicy:
     _round_costs: list[list[float]] = field(default_factory=list)
     _exploit_s: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})  # seconds outside measuring
     _ratios: dict[int, float] = field(default_factory=dict)  # load -> drafting's ÷ plain's seconds per row and round
+    _plain_round: dict[int, float] = field(default_factory=dict)  # load -> a plain round's seconds measured there
     _check: tuple[float, int] | None = None  # (ratio, the load it was measured at) a load change is checked against
     _resume_until: float = 0.0  # the exploit period a load check resumes when it passes
 
@@ -306,9 +310,19 @@ class SpecPolicy:
 
     def _checked(self, now: float, spec: _Window) -> bool:
         """A drafting window of a load check is complete: True when that settled it (drafting kept, or
-        another window pooled), False when plain decoding has to be measured at the new load after all."""
+        another window pooled), False when plain decoding has to be measured at the new load after all.
+
+        Drafting is kept when its acceptance τ beats, by ``margin``, both the carried ratio ρ and the ratio
+        of its round time *now* to a plain round's time at the carried load. The second holds without
+        assuming anything of drafting's cost: a plain round with fewer rows costs at most what it cost
+        with more, so plain decoding at the new load commits at least one token per row in that time.
+        It is what catches a drafting round that got dearer as the rows left (on one H200 at c = 32:
+        4.5 ms at 32 rows, 6.3-7.1 ms in the tail, against 2.9-3.4 ms plain at any load)."""
         assert self._check is not None
         ratio, at = self._check
+        plain_round = self._plain_round.get(at)
+        if plain_round and spec.rounds:
+            ratio = max(ratio, (spec.seconds / spec.rounds) / plain_round)
         tau = spec.tokens / spec.rows if spec.rows else 0.0
         if tau >= ratio * (1 + self.margin):
             self._check = None
@@ -322,6 +336,9 @@ class SpecPolicy:
             return True
         self._check = None
         self._measuring = [False, True]  # measure plain decoding at this load after all, then drafting again
+        self._note(now, f"drafting's acceptance {tau:.2f} does not beat the round-cost ratio {ratio:.2f} "
+                        f"(measured at load {at}, or its round now against a plain round there): measuring plain",
+                   tokens_per_row=tau, ratio=ratio, speculate_tps=spec.rate)
         return False
 
     def _clear(self, spec: float, plain: float) -> bool:
@@ -337,6 +354,7 @@ class SpecPolicy:
         if self._load is not None and measured_spec.rows and measured_plain.rows and measured_plain.seconds > 0:
             self._ratios[self._load] = ((measured_spec.seconds / measured_spec.rows)
                                         / (measured_plain.seconds / measured_plain.rows))
+            self._plain_round[self._load] = measured_plain.seconds / measured_plain.rounds
         current = True if self._best is None else self._best  # hysteresis: the standing winner keeps ties
         other = plain if current else spec
         mine = spec if current else plain
