@@ -333,6 +333,33 @@ def test_a_window_of_low_acceptance_does_not_send_it_to_plain_decoding() -> None
     assert modes_off.count(False) > 0  # the test can fail: without pooling the window sends it to plain
 
 
+def test_a_window_of_low_acceptance_is_judged_with_the_drafting_just_before() -> None:
+    """c = 1, drafting 3.1 tokens a round at 2.2 ms against plain decoding's 1 token at 1.7 ms (one H200's
+    figures, 2026-12-02), but 8 rounds in every 32 accept nothing: a 4-round window there alone falls below
+    plain decoding's estimated best (4 tokens in 8.8 ms against 1 per 1.6 ms), and measuring plain
+    decoding for such a window cost ~5 % at c = 1 there. Judged together with the drafting rounds just
+    before it (16 rounds in all), the figure is drafting's (1.8x the estimate or more): plain is never run."""
+    pattern = [4, 4, 4, 4, 3, 4, 4, 4, 4, 3, 4, 4] * 2 + [1] * 8
+    policy = worker_policy()
+    now, drafted, modes = 0.0, 0, []
+    mode = True
+    for _ in range(400):
+        got = pattern[drafted % len(pattern)] if mode else 1
+        drafted += mode
+        now += (2.2 if mode else 1.7) / 1e3
+        policy.record(mode, got, now, rows=1, draft_seconds=0.6e-3 if mode else 0.0, load=1)
+        modes.append(mode)
+        mode = policy.speculate()
+    bad = _window_rate([1, 1, 1, 1], 2.2)
+    assert bad < 1 / 1.6e-3  # the premise: a bad window alone is below plain decoding's estimate
+    assert modes.count(False) == 0
+    assert policy.trace()["decisions"] == 1
+
+
+def _window_rate(tokens: list[int], ms: float) -> float:
+    return sum(tokens) / (len(tokens) * ms / 1e3)
+
+
 # A fixed batch draining (the bench's --ignore-eos runs): every sequence needs the same number of tokens,
 # drafting commits each sequence's own acceptance per round, so the sequences finish at different rounds
 # and the running rows shrink 8 -> 4 -> 2 -> 1 over the last third of the run. Round costs are a model of

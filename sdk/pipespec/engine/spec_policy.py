@@ -49,6 +49,10 @@ threshold for the same effect). ``--spec-policy adaptive`` measures instead of g
   decoding reached 1.9x the estimate at c = 8 and 1.1x at c = 1. So plain decoding is skipped only
   when drafting beats the estimate by ``bound_slack`` (2.5x) — the usual case at low concurrency (3x
   measured at c = 1) — and drafting is simply measured again, window after window;
+* drafting's figure is its window pooled with the drafting rounds just before it at the same load
+  (``bound_windows`` windows' worth, measured or not: drafting runs anyway, so they cost nothing): at
+  c = 1 a 4-round window swings with acceptance (4, 4, 1, 1 ...), and on one H200 a single window of
+  low acceptance sent the policy to measure plain decoding for ~5 % of the run;
 
 Outputs never depend on the choice: verification is exact either way (greedy; a round without drafts
 is a plain step). While not speculating, the engine keeps the verified positions' aux states and
@@ -61,6 +65,7 @@ so a plain round costs what ``--num-spec-tokens 0`` costs and drafting resumes w
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -94,6 +99,12 @@ class _Window:
     def rate(self) -> float:
         seconds = self.seconds
         return self.tokens / seconds if seconds > 0 else 0.0
+
+    @classmethod
+    def of(cls, rounds: deque[tuple[int, int, float, float]]) -> _Window:
+        """A window of ``rounds`` (tokens, rows, draft seconds, interval)."""
+        return cls(sum(r[0] for r in rounds), sum(r[1] for r in rounds), sum(r[2] for r in rounds),
+                   [r[3] for r in rounds])
 
     @property
     def plain_bound(self) -> float:
@@ -169,6 +180,7 @@ class SpecPolicy:
     _plain_round: dict[int, float] = field(default_factory=dict)  # load -> a plain round's seconds measured there
     _check: tuple[float, int] | None = None  # (ratio, the load it was measured at) a load change is checked against
     _resume_until: float = 0.0  # the exploit period a load check resumes when it passes
+    _recent: deque[tuple[int, int, float, float]] = field(default_factory=deque)  # drafting rounds while exploiting
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -233,6 +245,7 @@ class SpecPolicy:
             return
         if load is not None and (self._load is None or load * self.load_ratio <= self._load
                                  or load >= self._load * self.load_ratio):
+            self._recent.clear()  # rounds at another load say little about this one
             if self._load is not None:
                 self.load_changes += 1
                 carried = self.carried_ratio(load)
@@ -245,6 +258,8 @@ class SpecPolicy:
             return
         if not self._measuring:  # exploiting the winner
             self._exploit_s[speculated] += now - last
+            if speculated and self._mode and not prefill and tokens > 0:  # measured for free: drafting runs anyway
+                self._remember(tokens, rows, draft_seconds, now - last)
             if now >= self._exploit_until:
                 self._start_measuring()
             return
@@ -258,6 +273,8 @@ class SpecPolicy:
             return
         w = self._measured[speculated]
         w.tokens, w.rows, w.draft_seconds = w.tokens + tokens, w.rows + rows, w.draft_seconds + draft_seconds
+        if speculated:
+            self._remember(tokens, rows, draft_seconds, now - last)
         w.intervals.append(now - last)
         self._block += 1
         if self._block < self.window:
@@ -268,12 +285,15 @@ class SpecPolicy:
         if self._check is not None and speculated and self._checked(now, spec):
             return
         slack = self.few_rows_slack if spec.rows <= self.few_rows * spec.rounds else self.bound_slack
-        if speculated and self._measuring and w.rows and spec.rate > spec.plain_bound * slack:
+        # Drafting's figure: this cycle's window pooled with the drafting rounds just before it at this load
+        # (``bound_windows`` windows' worth): at few rows one 4-round window swings with acceptance.
+        bounded = _Window.of(self._recent) if len(self._recent) > spec.rounds else spec
+        if speculated and self._measuring and w.rows and bounded.rate > bounded.plain_bound * slack:
             # Drafting beats plain decoding's estimated best by far: no need to run plain to know.
             if not self._plain_bounded or self._best is not True:  # a new reason: into the trace
                 self._note(now, f"drafting beats plain decoding's estimated best by {slack:g}x or more: plain not run",
-                           speculate_tps=spec.rate, plain_estimate_tps=spec.plain_bound)
-            self._decided, self._plain_bounded = (spec.rate, spec.plain_bound), True
+                           speculate_tps=bounded.rate, plain_estimate_tps=bounded.plain_bound)
+            self._decided, self._plain_bounded = (bounded.rate, bounded.plain_bound), True
             self._best, self._measuring, self._exploit_until = True, [], now  # keep measuring drafting
             return
         if (speculated and self._measuring and w.rows and spec.rounds < self.bound_windows * self.window
@@ -282,12 +302,19 @@ class SpecPolicy:
             # acceptance (2, 1, 1, 4 tokens) — measure drafting longer before paying plain rounds to know.
             self._measuring.insert(0, True)
             return
-        if self._measuring and spec.rounds and plain.rounds and self._clear(spec.rate, plain.rate):
+        if self._measuring and spec.rounds and plain.rounds and self._clear(bounded.rate, plain.rate):
             self._measuring = []  # one block of each already tells them apart: no bracketing block
         if self._measuring:
             self._switch(self._measuring[0])
             return
-        self._decide(now, spec.rate, plain.rate)
+        self._decide(now, bounded.rate if spec.rounds else spec.rate, plain.rate)
+
+    def _remember(self, tokens: int, rows: int, draft_seconds: float, interval: float) -> None:
+        """Keep the last ``bound_windows`` windows' worth of drafting rounds at this load (measured or not),
+        so that a window of low acceptance is judged against plain decoding's estimate together with them."""
+        self._recent.append((tokens, rows, draft_seconds, interval))
+        while len(self._recent) > self.bound_windows * self.window:
+            self._recent.popleft()
 
     def carried_ratio(self, load: int) -> tuple[float, int] | None:
         """The round-cost ratio ρ measured at the smallest load at or above ``load`` (an upper bound on ρ
@@ -368,6 +395,8 @@ class SpecPolicy:
         reason = ("drafting measured faster" if best else "plain decoding measured faster") + (
             "" if self._best is None or best == self._best else " (switched)")
         self._best = best
+        if not best:
+            self._recent.clear()  # drafting rounds from before a stretch of plain decoding: stale when it resumes
         # The loser's whole cost this cycle (settling rounds included) sets how long the winner runs.
         self._exploit_until = now + self._factor * self._spent[not best]
         self._switch(best)
