@@ -253,8 +253,25 @@ def _vllm_config_for(job: Job) -> Any:
         language_model_only=job.architecture not in TOWERS_BUILT,
     )
     return VllmConfig(
-        model_config=model_config, device_config=DeviceConfig("cpu"), load_config=LoadConfig(load_format="dummy")
+        model_config=model_config, device_config=DeviceConfig("cpu"), load_config=LoadConfig(load_format="dummy"),
+        attention_config=_attention_config(),
     )
+
+
+def _attention_config() -> Any:
+    """vLLM's reference CPU MLA backend for latent-attention layers, on every machine.
+
+    Where the CPU has AMX tiles vLLM's CPU platform picks ``AMX_MLA`` unless ``CPU_MLA`` is asked for, and
+    AMX_MLA's weight packing (``convert_weight_packed`` after loading) refuses the tiny heads' 8-16 input
+    features ("invalid weight input features 16", every MLA model, measured on an AMX host); asked for,
+    CPU_MLA builds them. The attention output is zeroed either way (``_silence_attention``), so the choice
+    changes nothing the check compares; it makes the zoo the same with and without AMX.
+    """
+    from vllm.config.attention import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    mla = AttentionBackendEnum.CPU_MLA
+    return AttentionConfig(backend_per_kind={"mla_attention": mla, "sliding_window_mla": mla})
 
 
 def build(cls: type, job: Job) -> Built:
