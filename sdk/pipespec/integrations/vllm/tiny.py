@@ -82,6 +82,12 @@ ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
          "ffn": {"no_op": i == 4, "replace_with_linear": False, "intermediate_size": 128}} for i in range(6)]},
         "remote-code config: one block config per layer (layer 2 without attention, layer 4 without FFN: "
         "Nemotron-NAS's no-op blocks)"),
+    "NemotronHForCausalLM": ({"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp",
+                                                   "linear_attention", "mlp"]},
+                             "no MoE layers (Mamba, MLP and attention only, the dense Nemotron-H shape): its MoE "
+                             "layers always build non-gated experts (activation_without_mul), which vLLM's fused "
+                             "MoE implements only for CUDA, XPU and ROCm; its MLP layers are the same relu2 MLP "
+                             "unfused"),
     "LagunaForCausalLM": ({"mlp_layer_types": ["dense"] * 6},
                           "every layer a dense MLP: its MoE routes with sigmoid scores without expert groups, which "
                           "the CPU build's router does not implement (it asserts softmax), so its MoE is not built"),
