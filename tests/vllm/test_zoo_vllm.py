@@ -23,9 +23,12 @@ from pipespec.integrations.vllm.tiny import tiny_vllm_config, write_model_dir
 from pipespec.integrations.vllm.zoo import (
     STATUSES,
     ZooResult,
+    _architecture,
     _check,
+    _defining_modules,
     _environment,
     _importing_holders,
+    _jobs_for,
     _Pool,
     adapt_files,
     inherited_flag_verdicts,
@@ -116,6 +119,42 @@ def test_holder_in_another_file_is_found_through_the_registry() -> None:
     assert _importing_holders(f"{MODELS}.ernie45_vl_moe", ["Ernie4_5_VLMoeForCausalLM"]) == [
         (f"{MODELS}.ernie45_vl", "Ernie4_5_VLMoeForConditionalGeneration")]
     assert _importing_holders(f"{MODELS}.llama", ["NoSuchHolder"]) == []
+
+
+def test_registry_package_is_followed_to_the_platform_variant_holding_the_decoder() -> None:
+    """The registry names the package ``vllm.models.deepseek_v41``, whose ``__init__`` imports the class
+    from ``.amd.vl_model`` on ROCm and ``.nvidia.vl_model`` elsewhere; amd/model.py's decoder is found in
+    the amd variant (the one importing its holder), ahead of the DSpark draft head that imports the decoder."""
+    v41 = "vllm.models.deepseek_v41"
+    assert _defining_modules(v41, "DeepseekV41ForCausalLM") == [f"{v41}.amd.vl_model", f"{v41}.nvidia.vl_model"]
+    assert _defining_modules(v41, "NoSuchClass") == []
+    assert _importing_holders(f"{v41}.amd.model", ["DeepseekV41LLMForCausalLM"]) == [
+        (f"{v41}.amd.vl_model", "DeepseekV41ForCausalLM")]
+    assert (f"{v41}.amd.dspark", "DSparkDeepseekV4ForCausalLM") in _importing_holders(f"{v41}.amd.model", ["DeepseekV4Model"])
+    assert _architecture(f"{v41}.amd.vl_model", "DeepseekV41ForCausalLM") == "DeepseekV41ForCausalLM"
+    (rel, outcome, code, source), = adapt_files(["models/deepseek_v41/amd/model.py"])
+    job, why = _jobs_for(rel, outcome, code, source)
+    assert job is not None, why
+    assert (job.architecture, job.causal_lm, job.holder_module) == (
+        "DeepseekV41ForCausalLM", "DeepseekV41ForCausalLM", f"{v41}.amd.vl_model")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rel", ["model_executor/models/nemotron_h.py", "model_executor/models/deepseek_v2.py"])
+def test_dense_nemotron_h_and_latent_attention_are_verified(pool: _Pool, rel: str) -> None:
+    """Nemotron-H built with Mamba, MLP and attention layers only (its MoE layers' non-gated experts have no
+    CPU kernel), and DeepSeek-V2's MLA on vLLM's CPU_MLA backend (AMX_MLA, picked where the CPU has AMX,
+    refuses the tiny heads): both verified at PP=1 and PP=2."""
+    if rel.endswith("nemotron_h.py"):
+        config, _ = tiny_vllm_config("NemotronHForCausalLM", "nemotron_h")
+        assert config.hybrid_override_pattern == "M-*-M-"
+    (file, outcome, code, source), = adapt_files([rel])
+    job, why = _jobs_for(file, outcome, code, source)
+    assert job is not None and code is not None, why
+    row = _row(job)
+    _check(pool, job, row)
+    assert row.status == "verified", row.reason
+    assert row.max_abs_err_pp2 is not None and row.max_abs_err_pp2 <= 1e-5
 
 
 def test_remote_config_block_configs_read_by_attribute_after_loading(tmp_path: Path) -> None:

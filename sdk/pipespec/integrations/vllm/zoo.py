@@ -325,7 +325,11 @@ def _jobs_for(rel: str, outcome: Any, code: str | None, source: str) -> tuple[Jo
         if arch is not None:
             return Job(file=rel, module=module, decoder=outcome.class_name, causal_lm=holder, architecture=arch,
                        decoder_attr=attr, code=code), ""
-    for holder_module, registered_cls in _importing_holders(module, [*holders, outcome.class_name]):
+    # a registered class built around a holder first, then one around the decoder itself (a draft head such as
+    # DSparkV41DraftModel imports DeepseekV4Model too, but it is not the model a user serves)
+    around = _importing_holders(module, holders) if holders else []
+    around += [p for p in _importing_holders(module, [outcome.class_name]) if p not in around]
+    for holder_module, registered_cls in around:
         arch = _architecture(holder_module, registered_cls)
         if arch is not None:
             return Job(file=rel, module=module, decoder=outcome.class_name, causal_lm=registered_cls,
@@ -339,31 +343,70 @@ def _jobs_for(rel: str, outcome: Any, code: str | None, source: str) -> tuple[Jo
 def _importing_holders(module: str, names: Sequence[str]) -> list[tuple[str, str]]:
     """(registered module, registered class) pairs whose module imports one of ``names`` from ``module``
     and defines the registered class: the registered model built around a holder in another file
-    (ernie45_vl's ``Ernie4_5_VLMoeForConditionalGeneration`` around ernie45_vl_moe's holder). Read from
-    the source (ast), so the parent never imports model code."""
+    (ernie45_vl's ``Ernie4_5_VLMoeForConditionalGeneration`` around ernie45_vl_moe's holder). A registry
+    module that is a package is followed to the modules defining the class (``_defining_modules``). Read
+    from the source (ast), so the parent never imports model code."""
     import ast
 
     from pipespec.integrations.vllm.tiny import _registry
 
-    root = vllm_root()
     package, _, stem = module.rpartition(".")
     out = []
-    for mod, cls in sorted(_registry()):
-        if mod == module or not mod.startswith("vllm."):
-            continue
-        path = os.path.join(root, *mod.split(".")[1:]) + ".py"
-        tree = _parsed(path)
-        if tree is None or not any(isinstance(n, ast.ClassDef) and n.name == cls for n in tree.body):
-            continue
-        mod_package = mod.rpartition(".")[0]
-        for node in tree.body:
-            if not isinstance(node, ast.ImportFrom):
+    for registered, cls in sorted(_registry()):
+        for mod in _defining_modules(registered, cls):
+            if mod == module:
                 continue
-            source = (node.module or "") if node.level == 0 else (
-                ".".join([mod_package, *([node.module] if node.module else [])]) if node.level == 1 else "")
-            if source in (module, f"{package}.{stem}") and any(a.name in names for a in node.names):
-                out.append((mod, cls))
-                break
+            path = _module_path(mod)
+            tree = _parsed(path)
+            mod_package = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+            for node in tree.body:
+                if isinstance(node, ast.ImportFrom) and _import_source(node, mod_package) in (module, f"{package}.{stem}") \
+                        and any(a.name in names for a in node.names):
+                    out.append((mod, cls))
+                    break
+    return out
+
+
+def _module_path(mod: str) -> str:
+    """The source file of ``mod`` (a ``vllm.`` module): ``<name>.py``, else the package's ``__init__.py``."""
+    base = os.path.join(vllm_root(), *mod.split(".")[1:])
+    return base + ".py" if os.path.isfile(base + ".py") else os.path.join(base, "__init__.py")
+
+
+def _import_source(node: Any, package: str) -> str:
+    """The absolute module a ``from ... import`` statement in a module of ``package`` imports from."""
+    if node.level == 0:
+        return str(node.module or "")
+    parts = package.split(".")
+    if node.level > 1:
+        parts = parts[: len(parts) - (node.level - 1)]
+    return ".".join([*parts, *([node.module] if node.module else [])])
+
+
+def _defining_modules(mod: str, cls: str, depth: int = 0) -> list[str]:
+    """The modules that define the registered class ``mod.cls``: ``mod`` itself, or, where ``mod`` is a
+    package whose ``__init__`` imports ``cls`` (per platform: ``vllm.models.deepseek_v41`` imports
+    ``DeepseekV41ForCausalLM`` from ``.amd.vl_model`` on ROCm, else from ``.nvidia.vl_model``), every
+    module any branch of it imports the class from (each followed again, a few levels deep)."""
+    import ast
+
+    if not mod.startswith("vllm."):
+        return []
+    path = _module_path(mod)
+    tree = _parsed(path)
+    if tree is None:
+        return []
+    if any(isinstance(n, ast.ClassDef) and n.name == cls for n in tree.body):
+        return [mod]
+    if depth > 2:
+        return []
+    package = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+    out: list[str] = []
+    for node in ast.walk(tree):  # every branch of a platform switch
+        if isinstance(node, ast.ImportFrom) and any(a.name == cls and a.asname in (None, cls) for a in node.names):
+            for found in _defining_modules(_import_source(node, package), cls, depth + 1):
+                if found not in out:
+                    out.append(found)
     return out
 
 
