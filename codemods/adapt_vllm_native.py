@@ -34,6 +34,7 @@ import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from pipespec.codemods.vllm_forward_shape import names_in
+from pipespec.codemods.vllm_native_branches import Branches, forward_plans, with_plans
 from pipespec.codemods.vllm_native_decoder import adapt_decoder
 from pipespec.codemods.vllm_native_holders import Holder, adapt_holder, find_holders, share_embed
 from pipespec.codemods.vllm_native_imports import add_imports, stamp
@@ -55,7 +56,6 @@ from pipespec.codemods.vllm_native_shape import (
     Decline,
     ForwardPlan,
     code_of,
-    forward_plan,
     is_pp_decoder,
     methods,
     own_flag,
@@ -167,8 +167,13 @@ class _FileEdit:
             status, reason = "declined", f"line {self.line_of(exc.node)}: {exc.reason}"
         return DecoderOutcome(name, status, "" if status == "adapted" else reason, causal, attr)
 
-    def _plan(self, dec: cst.ClassDef) -> ForwardPlan:
-        plan = forward_plan(dec, self.line_of, self.lookup)
+    def _plan(self, dec: cst.ClassDef) -> ForwardPlan | Branches:
+        found = forward_plans(dec, self.line_of, self.lookup)
+        if isinstance(found, Branches):  # one loop per config branch: each branch's residual read on its own
+            return with_plans(found, [self._residual_rule(dec, p) for p in found.plans])
+        return self._residual_rule(dec, found)
+
+    def _residual_rule(self, dec: cst.ClassDef, plan: ForwardPlan) -> ForwardPlan:
         if plan.residual is not None and not plan.own_capture and plan.before_capture is None:
             reads = residual_read(dec, plan, self.lookup, {c.name.value for c in self.top})
             if isinstance(reads, tuple):

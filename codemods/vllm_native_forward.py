@@ -9,22 +9,29 @@ import libcst as cst
 import libcst.matchers as m
 
 from pipespec.codemods.vllm_forward_shape import names_in
+from pipespec.codemods.vllm_native_branches import Branches
 from pipespec.codemods.vllm_native_names import REMOVED_MARK, code_of_exact
 from pipespec.codemods.vllm_native_shape import ForwardPlan, code_of
 
 
 class RewriteForward(cst.CSTTransformer):
-    """Apply a ``ForwardPlan``: drop the old capture, add the contract's (see the module docstring)."""
+    """Apply a ``ForwardPlan``: drop the old capture, add the contract's (see the module docstring); or
+    ``Branches``: each branch's plan on its loop and returns, the shared prelude before the branches."""
 
-    def __init__(self, plan: ForwardPlan, annotate: bool) -> None:
-        self.plan = plan
-        self.remove = {id(n) for n in plan.remove}
-        self.nonlast = {id(r) for r in plan.nonlast}
-        self.last = {id(r) for r in plan.last}
-        used = names_in(plan.loop.node) | {plan.aux, plan.hidden}
+    def __init__(self, plan: ForwardPlan | Branches, annotate: bool) -> None:
+        self.branches = plan if isinstance(plan, Branches) else None
+        plans = plan.plans if isinstance(plan, Branches) else (plan,)
+        self.plan = plans[0]  # hidden, residual and aux: the same in every branch (vllm_native_branches.settle)
+        self.by_loop = {id(p.loop.node): p for p in plans}
+        self.remove = {id(n) for p in plans for n in p.remove}
+        self.nonlast = {id(r) for p in plans for r in p.nonlast}
+        self.last = {id(r) for p in plans for r in p.last}
+        self.own_kept = all(p.own_capture for p in plans)
+        used = {self.plan.aux, self.plan.hidden}.union(*(names_in(p.loop.node) for p in plans))
         self.remote = "remote_aux" if "remote_aux" not in used else "remote_aux_hidden_states"
         self.annotate = annotate
         self.depth = 0
+        self.blocks = 0  # indented blocks of forward open at the node visited
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         self.depth += 1
@@ -34,17 +41,17 @@ class RewriteForward(cst.CSTTransformer):
         self.depth -= 1
         return updated_node
 
-    def _residual(self, bound: bool = True) -> str:
-        live = self.plan.residual is not None and bound and not self.plan.stale_residual
-        return self.plan.residual if live and self.plan.residual is not None else "None"
+    def _residual(self, plan: ForwardPlan, bound: bool = True) -> str:
+        live = plan.residual is not None and bound and not plan.stale_residual
+        return plan.residual if live and plan.residual is not None else "None"
 
-    def _residual_after_layer(self) -> str:
+    def _residual_after_layer(self, plan: ForwardPlan) -> str:
         """The residual argument of the capture after a layer: per layer class where they disagree."""
-        if self.plan.stale_for is None or self.plan.residual is None:
-            return self._residual()
-        layer, stale = self.plan.stale_for
+        if plan.stale_for is None or plan.residual is None:
+            return self._residual(plan)
+        layer, stale = plan.stale_for
         classes = stale[0] if len(stale) == 1 else f"({', '.join(stale)})"
-        return f"None if isinstance({layer}, {classes}) else {self.plan.residual}"
+        return f"None if isinstance({layer}, {classes}) else {plan.residual}"
 
     def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode):  # type: ignore[no-untyped-def]
         if id(original_node) in self.remove:  # a placeholder that leave_IndentedBlock drops
@@ -52,8 +59,12 @@ class RewriteForward(cst.CSTTransformer):
                                            trailing_whitespace=cst.TrailingWhitespace(comment=cst.Comment(REMOVED_MARK)))
         return super().on_leave(original_node, updated_node)
 
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
+        self.blocks += 1
+
     def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> cst.IndentedBlock:
         """Drop the old capture's statements; their blank lines and comments go to the next statement."""
+        self.blocks -= 1
         removed = m.SimpleStatementLine(trailing_whitespace=m.TrailingWhitespace(comment=m.Comment(REMOVED_MARK)))
         if not any(m.matches(s, removed) for s in updated_node.body):
             return updated_node
@@ -64,7 +75,7 @@ class RewriteForward(cst.CSTTransformer):
                 comments = [line for line in new.leading_lines if line.comment is not None]
                 about_aux = any("aux" in line.comment.value.lower() for line in comments if line.comment)
                 # a comment about the old capture goes with it, unless the model's own capture stays
-                drop = about_aux and not self.plan.own_capture
+                drop = about_aux and not self.own_kept
                 carry += [line for line in new.leading_lines if line.comment is None or not drop]
                 continue
             if carry:
@@ -76,11 +87,13 @@ class RewriteForward(cst.CSTTransformer):
         return updated_node.with_changes(body=body)
 
     def leave_For(self, original_node: cst.For, updated_node: cst.For) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
-        if original_node is not self.plan.loop.node:
+        p = self.by_loop.get(id(original_node))
+        if p is None:
             return updated_node
-        p, aux = self.plan, self.plan.aux
+        aux = p.aux
+        indent = 4 + 4 * (self.blocks + 1)  # the loop body's column (12 for a loop at forward's top level)
         capture = cst.parse_statement(wrapped_call("self._maybe_add_hidden_state", [
-            aux, code_of(p.loop.next_id), p.hidden, self._residual_after_layer()], indent=12))
+            aux, code_of(p.loop.next_id), p.hidden, self._residual_after_layer(p)], indent=indent))
         body = cst.ensure_type(updated_node.body, cst.IndentedBlock)
         if p.before_capture is not None and p.end_capture is not None:  # the model's own capture before each layer
             prelude = [
@@ -94,6 +107,8 @@ class RewriteForward(cst.CSTTransformer):
                 cst.EmptyLine(indent=True, comment=cst.Comment("# the last id of this stage, on every rank")),
             ])
             return cst.FlattenSentinel([*prelude, updated_node.with_changes(leading_lines=()), end])
+        if p.own_capture and self.branches is not None:  # the shared prelude is before the branches
+            return updated_node
         if p.own_capture:  # the model's own after-layer capture stays; collect before the loop, nothing else
             prelude = [
                 cst.parse_statement(f"{self.remote} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n")
@@ -103,27 +118,38 @@ class RewriteForward(cst.CSTTransformer):
             return cst.FlattenSentinel([*prelude, updated_node.with_changes(leading_lines=())])
         new_iter = p.loop.new_iter
         if new_iter is not None and len(code_of_exact(updated_node.target if p.loop.new_target is None else p.loop.new_target)
-                                        + code_of_exact(new_iter)) + 20 > LINE:  # vLLM's own multi-line form
+                                        + code_of_exact(new_iter)) + 4 * self.blocks + 16 > LINE:  # vLLM's own multi-line form
             inner = code_of_exact(cst.ensure_type(new_iter, cst.Call).args[0].value)
             header = cst.ensure_type(cst.parse_statement(
                 f"for _ in enumerate(\n    {inner},\n    start=self.start_layer,\n):\n    pass\n"), cst.For)
             new_iter = header.iter
         loop = updated_node.with_changes(iter=new_iter or updated_node.iter,
                                          target=p.loop.new_target or updated_node.target,
-                                         body=body.with_changes(body=[*body.body, capture]), leading_lines=())
-        annotation = ": list[torch.Tensor]" if self.annotate else ""
-        call = wrapped_call("self._maybe_add_hidden_state", [
-            aux, "self.start_layer", p.hidden, self._residual(p.residual_bound_before_loop)], indent=12)
-        first = cst.parse_statement("if get_pp_group().is_first_rank:\n" + "".join(f"    {line}\n" for line in call.splitlines()))
-        prelude = [
-            cst.parse_statement(f"{self.remote} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n")
-            .with_changes(leading_lines=original_node.leading_lines or [cst.EmptyLine(indent=False)]),
-            cst.parse_statement(f"{aux}{annotation} = []\n").with_changes(leading_lines=[cst.EmptyLine(indent=False)]),
-            first,
-        ]
-        return cst.FlattenSentinel([*prelude, loop])
+                                         body=body.with_changes(body=[*body.body, capture]))
+        if self.branches is not None:  # the shared prelude is before the branches
+            return loop
+        prelude = self._prelude(original_node, self._residual(p, p.residual_bound_before_loop), True)
+        return cst.FlattenSentinel([*prelude, loop.with_changes(leading_lines=())])
 
-    def leave_If(self, original_node: cst.If, updated_node: cst.If) -> cst.If:
+    def _prelude(self, before: cst.BaseCompoundStatement, residual: str, first_rank: bool) -> list[cst.BaseStatement]:
+        """collect_remote_aux_hidden_states, the aux list and (``first_rank``) the first rank's id start_layer,
+        put before ``before`` with its leading lines."""
+        p, annotation = self.plan, ": list[torch.Tensor]" if self.annotate else ""
+        call = wrapped_call("self._maybe_add_hidden_state", [p.aux, "self.start_layer", p.hidden, residual], indent=12)
+        first = cst.parse_statement("if get_pp_group().is_first_rank:\n" + "".join(f"    {line}\n" for line in call.splitlines()))
+        return [
+            cst.parse_statement(f"{self.remote} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n")
+            .with_changes(leading_lines=before.leading_lines or [cst.EmptyLine(indent=False)]),
+            cst.parse_statement(f"{p.aux}{annotation} = []\n").with_changes(leading_lines=[cst.EmptyLine(indent=False)]),
+            *([first] if first_rank else []),
+        ]
+
+    def leave_If(self, original_node: cst.If, updated_node: cst.If) -> cst.If | cst.FlattenSentinel[cst.BaseStatement]:
+        if self.branches is not None and original_node is self.branches.prelude_at:
+            b = self.branches
+            prelude = self._prelude(original_node, b.prelude_residual(), b.start_capture)
+            return cst.FlattenSentinel([*prelude, updated_node.with_changes(
+                leading_lines=updated_node.leading_lines or [cst.EmptyLine(indent=False)])])
         if original_node is not self.plan.before_capture:
             return updated_node
         idx = self.plan.loop.next_id.left.value  # type: ignore[attr-defined]

@@ -68,6 +68,13 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int],
     body = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
     if not any(s is loop for s in body):
         _decline_nested(fn, body, loop)
+    return plan_loop(cls, fn, body, loop, line_of, lookup)
+
+
+def plan_loop(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStatement], loop: cst.For,
+              line_of: Callable[[cst.CSTNode], int], lookup: ClassLookup | None) -> ForwardPlan:
+    """The plan of one loop over this stage's layers, ``loop`` a statement of ``body``: forward's own body,
+    or the statements one path through forward runs (vllm_native_branches: one per config branch)."""
     if loop.orelse is not None:
         raise Decline("the layer loop has an else branch", loop)
     scope = own_scope(fn)
@@ -79,7 +86,8 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int],
         raise Decline("forward yields: only a function that returns is understood", yields[0])
     used = names_in(fn)
     parsed = parse_loop(loop, used)
-    nonlast, last = _returns(cls, fn, body, loop, scope.returns, line_of)
+    on_path = {id(r) for st in body for r in m.findall(st, m.Return())}
+    nonlast, last = _returns(cls, fn, body, loop, [r for r in scope.returns if id(r) in on_path], line_of)
     if not nonlast:
         raise Decline("forward never returns IntermediateTensors({...}) for non-last ranks: it does not support "
                       "pipeline parallelism", fn)
@@ -248,10 +256,8 @@ def _check_layer_call(fn: cst.FunctionDef, loop: cst.For, hidden: str, residual:
         raise Decline(f"the layer loop never assigns `{hidden}` (the tensor sent to the next stage)", loop)
 
 
-def _running_loops(fn: cst.FunctionDef, loops: list[cst.For], line_of: Callable[[cst.CSTNode], int]) -> list[cst.For]:
-    """The one loop over this stage's layers that calls them; the others only visit the layer modules
-    (DeepSeek-V4.1's engram ``prepare_embeddings`` before the real loop) and stay as they are. ``Decline``
-    when more than one calls them (one loop per config branch, each with its own returns)."""
+def running_loops(fn: cst.FunctionDef, loops: list[cst.For]) -> list[cst.For]:
+    """The loops of ``loops`` that call the layers they visit (a loop whose header cannot be read counts)."""
     used = names_in(fn)
 
     def calls(loop: cst.For) -> bool:
@@ -260,12 +266,21 @@ def _running_loops(fn: cst.FunctionDef, loops: list[cst.For], line_of: Callable[
         except Decline:
             return True
 
-    running = [lp for lp in loops if calls(lp)]
+    return [lp for lp in loops if calls(lp)]
+
+
+def _running_loops(fn: cst.FunctionDef, loops: list[cst.For], line_of: Callable[[cst.CSTNode], int]) -> list[cst.For]:
+    """The one loop over this stage's layers that calls them; the others only visit the layer modules
+    (DeepSeek-V4.1's engram ``prepare_embeddings`` before the real loop) and stay as they are. ``Decline``
+    when more than one calls them (one loop per config branch is vllm_native_branches', tried first)."""
+    running = running_loops(fn, loops)
     if len(running) == 1:
         return running
     lines = ", ".join(str(line_of(lp)) for lp in running or loops)
-    raise Decline(f"forward has {len(running) or len(loops)} loops that run this stage's layers (lines {lines}), "
-                  "e.g. one per config branch with its own returns; the rewrite handles one", (running or loops)[1])
+    raise Decline(f"forward has {len(running) or len(loops)} loops that run this stage's layers (lines {lines}) and "
+                  "they are not one per config branch (each directly in a top-level `if` or `else` block that ends "
+                  "in a return, or after such `if`s): one path through forward may run several, which the rewrite "
+                  "does not follow", (running or loops)[1])
 
 
 
@@ -353,4 +368,5 @@ def _loop_jumps(loop: cst.For) -> list[cst.CSTNode]:
 
 __all__ = ["CAPTURE_CALLS", "FLAG", "RANK", "STAGE_LAYERS", "STAGE_LOOP_ITER", "ClassLookup", "Decline", "ForwardPlan",
            "Loop", "code_of", "code_of_lines", "forward_plan", "is_pp_decoder", "is_sequence_parallel_epilogue",
-           "methods", "own_flag", "params_of", "residual_read", "sent_stream", "stage_loops"]
+           "methods", "own_flag", "params_of", "plan_loop", "residual_read", "running_loops", "sent_stream",
+           "stage_loops"]

@@ -835,3 +835,122 @@ def test_a_loop_that_only_visits_the_layers_is_left_beside_the_layer_loop() -> N
     assert prepare.replace("    " * 3, "    " * 2, 1).replace("\n        ", "\n    ") in result.code  # unchanged
     assert result.code.count("layer.engram.prepare_embeddings(engram_hashes)") == 1
     assert "aux_hidden_states, idx + 1, hidden_states, residual\n" in result.code
+
+
+# ---------------------------------------------------------------------------------- one loop per branch
+BRANCHES = HEAD + """\
+            aux_hidden_states = self._maybe_add_hidden_state([], self.start_layer, hidden_states, residual)
+
+            if self.plain:
+                for idx, layer in enumerate(self.layers[self.start_layer : self.end_layer], start=self.start_layer):
+                    hidden_states, residual = layer(positions, hidden_states, residual)
+                    self._maybe_add_hidden_state(aux_hidden_states, idx + 1, hidden_states, residual)
+                if not get_pp_group().is_last_rank:
+                    return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
+                if aux_hidden_states:
+                    return hidden_states, aux_hidden_states
+                return hidden_states
+
+            bank = self.new_bank(hidden_states, residual)
+            residual = bank
+            delta = None
+            for idx, layer in enumerate(self.layers[self.start_layer : self.end_layer], start=self.start_layer):
+                hidden_states, residual, delta = layer(positions, hidden_states, residual, delta)
+                if (idx + 1) in self.aux_hidden_state_layers:
+                    self._maybe_add_hidden_state(aux_hidden_states, idx + 1, hidden_states + delta, None)
+            if not get_pp_group().is_last_rank:
+                hidden_states = hidden_states + delta
+                return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
+            hidden_states = self.mix(hidden_states, residual, delta)
+            if aux_hidden_states:
+                return hidden_states, aux_hidden_states
+            return hidden_states
+""" + TAIL[TAIL.index(LAYERS):]
+
+
+def test_one_loop_per_config_branch_each_rewritten_with_its_own_returns() -> None:
+    """Kimi-K3's AMD KimiLinearModel: a plain-residual loop in `if`, with its own returns, and an
+    attention-residual loop after it. One collect and one first-rank id start_layer capture before the
+    branches (replacing the model's every-rank one); the plain loop gets the contract's capture, the other
+    keeps the model's own value; each branch's non-last return packs, each last return concatenates."""
+    result = adapt(BRANCHES)
+    (outcome,) = result.decoders
+    assert outcome.status == "adapted", outcome.reason
+    code = result.code
+    prelude = ("        remote_aux = self.collect_remote_aux_hidden_states(intermediate_tensors)\n\n"
+               "        aux_hidden_states: list[torch.Tensor] = []\n"
+               "        if get_pp_group().is_first_rank:\n"
+               "            self._maybe_add_hidden_state(\n"
+               "                aux_hidden_states, self.start_layer, hidden_states, residual\n"
+               "            )\n\n"
+               "        if self.plain:\n")
+    assert prelude in code
+    assert code.count("collect_remote_aux_hidden_states") == 1
+    assert "self._maybe_add_hidden_state([], self.start_layer" not in code
+    assert code.count("aux_hidden_states, idx + 1, hidden_states, residual\n") == 1  # the plain branch's, 16 deep
+    assert "                self._maybe_add_hidden_state(\n                    aux_hidden_states, idx + 1," in code
+    assert "aux_hidden_states, idx + 1, hidden_states + delta, None" in code  # the model's own, kept
+    assert code.count("**self.pack_local_aux_hidden_states(aux_hidden_states)") == 2
+    assert code.count("aux_hidden_states = remote_aux + aux_hidden_states\n") == 2
+    assert "if aux_hidden_states:" not in code
+    assert code.index("            aux_hidden_states = remote_aux") < code.index("        bank = self.new_bank")
+    again = adapt_vllm_module(code, label="toy.py")
+    assert again.code == code and [d.status for d in again.decoders] == ["unchanged"]
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    (("            bank = self.new_bank(hidden_states, residual)\n",
+      "            hidden_states = self.scale(hidden_states)\n"),
+     "`hidden_states = self.scale(hidden_states)` rebinds `hidden_states` between the branch's start and its "
+     "layer loop"),
+    (("                if aux_hidden_states:\n                    return hidden_states, aux_hidden_states\n"
+      "                return hidden_states\n", ""),
+     "forward has 2 loops that run this stage's layers (lines 23, 32) and they are not one per config branch"),
+    (("            aux_hidden_states = self._maybe_add_hidden_state([], self.start_layer, hidden_states, residual)\n",
+      "            aux_hidden_states = []\n"),
+     "the branches' layer loops disagree about id start_layer"),
+])
+def test_branches_that_cannot_share_one_prelude_are_declined(change: tuple[str, str], fragment: str) -> None:
+    """A branch that changes the stream before its loop (the shared id start_layer capture would miss it);
+    a branch that falls through into the other loop (one path runs both); a kept own capture (no id
+    start_layer) beside a contract capture (id start_layer) with no capture of the model's to follow."""
+    source = BRANCHES.replace(*change)
+    assert source != BRANCHES
+    result = adapt(source)
+    (outcome,) = result.decoders
+    assert outcome.status == "declined" and fragment in outcome.reason, outcome.reason
+    assert result.code == textwrap.dedent(source)
+
+
+def _installed_vllm_file(rel: str) -> str:
+    """A model file of the installed vLLM, read as text (vLLM is not imported); skips where none is installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")  # without vLLM: tests/vllm, a namespace package, or nothing
+    roots = [Path(p) for p in (spec.submodule_search_locations or []) if (Path(p) / "model_executor").is_dir()] if spec else []
+    if not roots:
+        pytest.skip("vLLM is not installed here (run from .venv-vllm)")
+    return (roots[0] / rel).read_text(encoding="utf-8")
+
+
+def test_installed_kimi_k3_amd_linear_adapts_both_branches() -> None:
+    """The installed vLLM's models/kimi_k3/amd/linear.py (two layer loops, one per attn_res_block_size
+    branch): adapted, ids start_layer on the first rank only, both branches' returns handed on; a fixed point."""
+    rel = "models/kimi_k3/amd/linear.py"
+    source = _installed_vllm_file(rel)
+    result = adapt_vllm_module(source, label=rel)
+    (outcome,) = result.decoders
+    assert (outcome.class_name, outcome.status, outcome.causal_lm) == ("KimiLinearModel", "adapted",
+                                                                       ("KimiLinearForCausalLM",))
+    forward = result.code[result.code.index("    def forward(", result.code.index("class KimiLinearModel(")):]
+    forward = forward[:forward.index("\n    def load_weights(")]
+    assert forward.count("self.collect_remote_aux_hidden_states(intermediate_tensors)") == 1
+    assert ("        if get_pp_group().is_first_rank:\n            self._maybe_add_hidden_state(\n"
+            "                aux_hidden_states, self.start_layer, hidden_states, residual\n            )\n\n"
+            "        if self.config.attn_res_block_size is None:\n") in forward
+    assert forward.count("aux_hidden_states, layer_idx + 1, hidden_states, residual") == 1
+    assert "hidden_states + prefix_delta,\n" in forward  # the attention-residual branch's own capture, kept
+    assert forward.count("**self.pack_local_aux_hidden_states(aux_hidden_states),") == 2
+    assert forward.count("aux_hidden_states = remote_aux + aux_hidden_states") == 2
+    again = adapt_vllm_module(result.code, label=rel)
+    assert again.code == result.code and [d.status for d in again.decoders] == ["unchanged"]
