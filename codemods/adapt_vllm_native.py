@@ -36,6 +36,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 from pipespec.codemods.vllm_forward_shape import names_in
 from pipespec.codemods.vllm_native_branches import Branches, forward_plans, with_plans
 from pipespec.codemods.vllm_native_decoder import adapt_decoder
+from pipespec.codemods.vllm_native_helpers import Helpers
 from pipespec.codemods.vllm_native_holders import Holder, adapt_holder, find_holders, share_embed
 from pipespec.codemods.vllm_native_imports import add_imports, stamp
 from pipespec.codemods.vllm_native_index import ClassIndex, ModuleReader, default_reader
@@ -167,10 +168,12 @@ class _FileEdit:
             status, reason = "declined", f"line {self.line_of(exc.node)}: {exc.reason}"
         return DecoderOutcome(name, status, "" if status == "adapted" else reason, causal, attr)
 
-    def _plan(self, dec: cst.ClassDef) -> ForwardPlan | Branches:
+    def _plan(self, dec: cst.ClassDef) -> ForwardPlan | Branches | Helpers:
         found = forward_plans(dec, self.line_of, self.lookup)
         if isinstance(found, Branches):  # one loop per config branch: each branch's residual read on its own
             return with_plans(found, [self._residual_rule(dec, p) for p in found.plans])
+        if isinstance(found, Helpers):  # the model's own captures, in its helpers: nothing to read
+            return found
         return self._residual_rule(dec, found)
 
     def _residual_rule(self, dec: cst.ClassDef, plan: ForwardPlan) -> ForwardPlan:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import libcst as cst
 import libcst.matchers as m
 
+from pipespec.codemods.vllm_native_helpers import Helpers, helper_plan
 from pipespec.codemods.vllm_native_loop import Loop
 from pipespec.codemods.vllm_native_shape import (
     ClassLookup,
@@ -69,11 +70,16 @@ class Branches:
 
 
 def forward_plans(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int],
-                  lookup: ClassLookup | None = None) -> ForwardPlan | Branches:
+                  lookup: ClassLookup | None = None) -> ForwardPlan | Branches | Helpers:
     """``forward_plan`` for a forward with one layer loop; ``Branches`` for one loop per config branch
-    (see the module docstring); the one-loop ``Decline`` for any other forward with several."""
+    (see the module docstring); ``Helpers`` for layers run in helper methods (vllm_native_helpers); the
+    one-loop ``Decline`` for any other forward with several, or none that runs the layers."""
     fn = methods(cls)["forward"]
     running = running_loops(fn, stage_loops(fn))
+    if not running:  # the layers run in helper methods of the class (DeepSeek-V4.1 NVIDIA)
+        helpers = helper_plan(cls, line_of)
+        if helpers is not None:
+            return helpers
     paths = _paths(fn, running) if len(running) > 1 else None
     if paths is None:
         return forward_plan(cls, line_of, lookup)

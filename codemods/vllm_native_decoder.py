@@ -13,6 +13,7 @@ from pipespec import __version__
 from pipespec.codemods.vllm_forward_shape import is_docstring, names_in, self_attr
 from pipespec.codemods.vllm_native_branches import Branches
 from pipespec.codemods.vllm_native_forward import RewriteForward
+from pipespec.codemods.vllm_native_helpers import Helpers
 from pipespec.codemods.vllm_native_names import (
     DRAFTER_EMBEDS,
     GENERATOR,
@@ -28,7 +29,7 @@ from pipespec.codemods.vllm_native_shape import FLAG, Decline, ForwardPlan, meth
 from pipespec.contract.spec import AdapterSpec
 
 
-def adapt_decoder(dec: cst.ClassDef, plan: ForwardPlan | Branches, spec: AdapterSpec | None, label: str,
+def adapt_decoder(dec: cst.ClassDef, plan: ForwardPlan | Branches | Helpers, spec: AdapterSpec | None, label: str,
                    module: cst.Module) -> tuple[cst.ClassDef, set[str]]:
     imports: set[str] = set()
     if spec is not None and plan.loop.layers_attr != spec.layers_attr:

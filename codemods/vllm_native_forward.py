@@ -10,24 +10,31 @@ import libcst.matchers as m
 
 from pipespec.codemods.vllm_forward_shape import names_in
 from pipespec.codemods.vllm_native_branches import Branches
+from pipespec.codemods.vllm_native_helpers import Helpers
 from pipespec.codemods.vllm_native_names import REMOVED_MARK, code_of_exact
 from pipespec.codemods.vllm_native_shape import ForwardPlan, code_of
 
 
 class RewriteForward(cst.CSTTransformer):
     """Apply a ``ForwardPlan``: drop the old capture, add the contract's (see the module docstring); or
-    ``Branches``: each branch's plan on its loop and returns, the shared prelude before the branches."""
+    ``Branches``: each branch's plan on its loop and returns, the shared prelude before the branches; or
+    ``Helpers``: collect before the helpers run the layers, pack and concatenate around the model's list."""
 
-    def __init__(self, plan: ForwardPlan | Branches, annotate: bool) -> None:
+    def __init__(self, plan: ForwardPlan | Branches | Helpers, annotate: bool) -> None:
         self.branches = plan if isinstance(plan, Branches) else None
-        plans = plan.plans if isinstance(plan, Branches) else (plan,)
-        self.plan = plans[0]  # hidden, residual and aux: the same in every branch (vllm_native_branches.settle)
+        self.helpers = plan if isinstance(plan, Helpers) else None
+        plans: tuple[ForwardPlan, ...] = plan.plans if isinstance(plan, Branches) else () if isinstance(plan, Helpers) else (plan,)
+        # hidden, residual and aux: the same in every branch (vllm_native_branches.settle)
+        self.plan = plans[0] if plans else None
+        self.aux, self.hidden = (plan.aux, plan.hidden) if isinstance(plan, Helpers) else (plans[0].aux, plans[0].hidden)
         self.by_loop = {id(p.loop.node): p for p in plans}
-        self.remove = {id(n) for p in plans for n in p.remove}
-        self.nonlast = {id(r) for p in plans for r in p.nonlast}
-        self.last = {id(r) for p in plans for r in p.last}
-        self.own_kept = all(p.own_capture for p in plans)
-        used = {self.plan.aux, self.plan.hidden}.union(*(names_in(p.loop.node) for p in plans))
+        self.remove = {id(n) for p in (*plans, plan) if not isinstance(p, Branches) for n in p.remove}
+        self.nonlast = {id(r) for p in (*plans, plan) if not isinstance(p, Branches) for r in p.nonlast}
+        self.last = {id(r) for p in (*plans, plan) if not isinstance(p, Branches) for r in p.last}
+        self.own_kept = all(p.own_capture for p in plans) if plans else True
+        used = {self.aux, self.hidden}.union(*(names_in(p.loop.node) for p in plans))
+        if isinstance(plan, Helpers):
+            used.add(plan.table)
         self.remote = "remote_aux" if "remote_aux" not in used else "remote_aux_hidden_states"
         self.annotate = annotate
         self.depth = 0
@@ -57,7 +64,29 @@ class RewriteForward(cst.CSTTransformer):
         if id(original_node) in self.remove:  # a placeholder that leave_IndentedBlock drops
             return cst.SimpleStatementLine([cst.Pass()], leading_lines=getattr(original_node, "leading_lines", ()),
                                            trailing_whitespace=cst.TrailingWhitespace(comment=cst.Comment(REMOVED_MARK)))
+        h = self.helpers
+        if h is not None and (original_node is h.collect_before or original_node is h.drop_start_before):
+            return self._around_helpers(original_node, cst.ensure_type(super().on_leave(original_node, updated_node),
+                                                                       cst.SimpleStatementLine))
         return super().on_leave(original_node, updated_node)
+
+    def _around_helpers(self, original: cst.CSTNode, stmt: cst.SimpleStatementLine) -> cst.FlattenSentinel[cst.BaseStatement]:
+        """collect_remote_aux_hidden_states before the helpers' table is bound; before the list is
+        assembled from it, on later ranks, the id start_layer entry a helper keyed by the entering id made."""
+        h = self.helpers
+        assert h is not None
+        out: list[cst.BaseStatement] = []
+        if original is h.collect_before:
+            out.append(cst.parse_statement(f"{self.remote} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n")
+                       .with_changes(leading_lines=stmt.leading_lines))
+            stmt = stmt.with_changes(leading_lines=())
+        if original is h.drop_start_before:
+            out.append(cst.parse_statement(
+                "if not get_pp_group().is_first_rank:\n"
+                "    # id start_layer is the previous stage's last (its end_layer), captured there\n"
+                f"    {h.table}.pop(self.start_layer, None)\n").with_changes(leading_lines=stmt.leading_lines))
+            stmt = stmt.with_changes(leading_lines=())
+        return cst.FlattenSentinel([*out, stmt])
 
     def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
         self.blocks += 1
@@ -134,13 +163,13 @@ class RewriteForward(cst.CSTTransformer):
     def _prelude(self, before: cst.BaseCompoundStatement, residual: str, first_rank: bool) -> list[cst.BaseStatement]:
         """collect_remote_aux_hidden_states, the aux list and (``first_rank``) the first rank's id start_layer,
         put before ``before`` with its leading lines."""
-        p, annotation = self.plan, ": list[torch.Tensor]" if self.annotate else ""
-        call = wrapped_call("self._maybe_add_hidden_state", [p.aux, "self.start_layer", p.hidden, residual], indent=12)
+        annotation = ": list[torch.Tensor]" if self.annotate else ""
+        call = wrapped_call("self._maybe_add_hidden_state", [self.aux, "self.start_layer", self.hidden, residual], indent=12)
         first = cst.parse_statement("if get_pp_group().is_first_rank:\n" + "".join(f"    {line}\n" for line in call.splitlines()))
         return [
             cst.parse_statement(f"{self.remote} = self.collect_remote_aux_hidden_states(intermediate_tensors)\n")
             .with_changes(leading_lines=before.leading_lines or [cst.EmptyLine(indent=False)]),
-            cst.parse_statement(f"{p.aux}{annotation} = []\n").with_changes(leading_lines=[cst.EmptyLine(indent=False)]),
+            cst.parse_statement(f"{self.aux}{annotation} = []\n").with_changes(leading_lines=[cst.EmptyLine(indent=False)]),
             *([first] if first_rank else []),
         ]
 
@@ -150,7 +179,7 @@ class RewriteForward(cst.CSTTransformer):
             prelude = self._prelude(original_node, b.prelude_residual(), b.start_capture)
             return cst.FlattenSentinel([*prelude, updated_node.with_changes(
                 leading_lines=updated_node.leading_lines or [cst.EmptyLine(indent=False)])])
-        if original_node is not self.plan.before_capture:
+        if self.plan is None or original_node is not self.plan.before_capture:
             return updated_node
         idx = self.plan.loop.next_id.left.value  # type: ignore[attr-defined]
         header = cst.ensure_type(cst.parse_statement(  # id start_layer is the first rank's (vLLM's layout)
@@ -163,7 +192,7 @@ class RewriteForward(cst.CSTTransformer):
         if id(original_node) not in self.nonlast:
             return updated_node
         call = cst.ensure_type(updated_node.value, cst.Call)
-        pack = cst.parse_expression(f"self.pack_local_aux_hidden_states({self.plan.aux})")
+        pack = cst.parse_expression(f"self.pack_local_aux_hidden_states({self.aux})")
         if isinstance(call.args[0].value, cst.Name):  # IntermediateTensors(tensors): a dict built above
             merged = cst.parse_expression(f"{{**{call.args[0].value.value}, **{code_of(pack)}}}")
             return updated_node.with_changes(value=call.with_changes(args=[call.args[0].with_changes(value=merged)]))
@@ -199,7 +228,7 @@ class RewriteForward(cst.CSTTransformer):
         ret = cst.ensure_type(rets[0], cst.Return)
         assert ret.value is not None
         value = code_of_exact(ret.value)
-        aux = self.plan.aux
+        aux = self.aux
         lines = [
             cst.parse_statement(f"{aux} = {self.remote} + {aux}\n").with_changes(leading_lines=updated_node.leading_lines),
             cst.parse_statement(f"if len({aux}) > 0:\n    return {value}, {aux}\n"),

@@ -137,8 +137,9 @@ def _decline_nested(fn: cst.FunctionDef, body: list[cst.BaseStatement], loop: cs
         runs = True
     if not runs:
         raise Decline(f"forward's only loop over this stage's layers (`for ... in {code_of(loop.iter)}`, nested "
-                      "in another statement) does not call them: the layers run elsewhere (a helper method), "
-                      "which this rewrite does not follow", loop)
+                      "in another statement) does not call them, and no helper method of this class runs them in "
+                      "the form the rewrite follows (a loop over a range forward passes, capturing into a dict "
+                      "keyed by layer id that forward turns into the list its last rank returns)", loop)
     outer = next((st for st in body if any(x is loop for x in m.findall(st, m.For()))), None)
     if isinstance(outer, (cst.For, cst.While)):
         head = f"for ... in {code_of(outer.iter)}" if isinstance(outer, cst.For) else f"while {code_of(outer.test)}"

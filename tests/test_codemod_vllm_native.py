@@ -954,3 +954,118 @@ def test_installed_kimi_k3_amd_linear_adapts_both_branches() -> None:
     assert forward.count("aux_hidden_states = remote_aux + aux_hidden_states") == 2
     again = adapt_vllm_module(result.code, label=rel)
     assert again.code == result.code and [d.status for d in again.decoders] == ["unchanged"]
+
+
+# ---------------------------------------------------------------------------------- layers run in helpers
+HELPERS = HEAD.replace("    def forward(self, input_ids,", "    def forward(self, engram_hashes, input_ids,") + """\
+            if engram_hashes is not None:
+                for layer in islice(self.layers, self.start_layer, self.end_layer):
+                    layer.engram.prepare_embeddings(engram_hashes)
+            aux_by_layer: dict[int, torch.Tensor] = {}
+            hidden_states, residual, mix = self._run_layers(
+                range(self.start_layer, self.end_layer), hidden_states, residual, aux_by_layer
+            )
+            hidden_states = self._collapse(hidden_states, residual, mix, aux_by_layer)
+            aux_hidden_states = [
+                aux_by_layer[layer_id] for layer_id in self.aux_hidden_state_layers if layer_id in aux_by_layer
+            ]
+            if not get_pp_group().is_last_rank:
+                return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
+            hidden_states = self.norm(hidden_states)
+            if len(aux_hidden_states) > 0:
+                return hidden_states, aux_hidden_states
+            return hidden_states
+
+        def _run_layers(self, layer_ids, hidden_states, residual, aux_by_layer):
+            mix = None
+            for idx in layer_ids:
+                hidden_states, residual, mix, previous = self.layers[idx](
+                    hidden_states, residual, mix, capture=idx in self.aux_hidden_state_layers
+                )
+                if previous is not None:
+                    aux_by_layer[idx] = previous
+            return hidden_states, residual, mix
+
+        def _collapse(self, hidden_states, residual, mix, aux_by_layer):
+            hidden_states = post(hidden_states, residual, mix)
+            if self.end_layer in self.aux_hidden_state_layers:
+                aux_by_layer[self.end_layer] = hidden_states.mean(dim=1)
+            return hidden_states
+""" + TAIL[TAIL.index(LAYERS):]
+
+
+def test_layers_run_in_helper_methods_with_the_models_own_keyed_capture() -> None:
+    """DeepSeek-V4.1 NVIDIA: forward's only stage loop prepares engram embeddings; `_run_layers` runs the
+    layers over the range forward passes and keeps each layer's own value as `aux_by_layer[idx]` (the
+    state entering layer idx), `_collapse` keeps `[self.end_layer]`; forward lists them in the order of
+    self.aux_hidden_state_layers. The helpers stay as written; collect before the table, pack, concatenate,
+    and id start_layer (the previous stage's end_layer) dropped on later ranks."""
+    result = adapt(HELPERS)
+    (outcome,) = result.decoders
+    assert outcome.status == "adapted", outcome.reason
+    code = result.code
+    assert ("        remote_aux = self.collect_remote_aux_hidden_states(intermediate_tensors)\n"
+            "        aux_by_layer: dict[int, torch.Tensor] = {}\n") in code
+    assert ("        if not get_pp_group().is_first_rank:\n"
+            "            # id start_layer is the previous stage's last (its end_layer), captured there\n"
+            "            aux_by_layer.pop(self.start_layer, None)\n"
+            "        aux_hidden_states = [\n") in code
+    assert "**self.pack_local_aux_hidden_states(aux_hidden_states)," in code
+    assert code.count("aux_hidden_states = remote_aux + aux_hidden_states\n") == 1
+    helpers = textwrap.dedent(HELPERS)
+    for method in ("_run_layers", "_collapse"):  # byte for byte as the model wrote them
+        start = helpers.index(f"    def {method}(")
+        assert helpers[start:helpers.index("\n\n", start)] in code
+    assert "_maybe_add_hidden_state" not in code
+    again = adapt_vllm_module(code, label="toy.py")
+    assert again.code == code and [d.status for d in again.decoders] == ["unchanged"]
+    after_layer = adapt(HELPERS.replace("aux_by_layer[idx] = previous", "aux_by_layer[idx + 1] = previous")).code
+    assert ".pop(self.start_layer" not in after_layer  # keyed by the id after the layer: no id start_layer there
+    assert "**self.pack_local_aux_hidden_states(aux_hidden_states)," in after_layer
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    (("range(self.start_layer, self.end_layer), hidden_states", "range(0, self.end_layer - 1), hidden_states"),
+     "runs the layers `range(0, self.end_layer - 1)`, not a range of this stage's"),
+    (("aux_by_layer[self.end_layer] = hidden_states.mean(dim=1)", "aux_by_layer[self.end_layer - 1] = hidden_states"),
+     "`_collapse` stores `aux_by_layer[self.end_layer - 1]`: a key other than a layer id of this stage"),
+    (("            hidden_states = self._collapse(hidden_states, residual, mix, aux_by_layer)\n",
+      "            hidden_states = self._collapse(hidden_states, residual, mix, aux_by_layer)\n"
+      "            aux_by_layer[0] = hidden_states\n"),
+     "writes `aux_by_layer` in forward itself"),
+    (("aux_by_layer[layer_id] for layer_id in self.aux_hidden_state_layers", "aux_by_layer[layer_id] for layer_id in self.ids"),
+     "does not read the helpers' captures in the order of self.aux_hidden_state_layers"),
+    (("aux_by_layer[idx] = previous", "aux_by_layer[idx - 1] = previous"),
+     "and no helper method of this class runs them in the form the rewrite follows"),
+])
+def test_helper_forms_that_cannot_be_read_as_safe_are_declined(change: tuple[str, str], fragment: str) -> None:
+    """A helper run over a range that is not this stage's, a key that is not a layer id of this stage, forward
+    writing the table itself, a list not in the order of the ids, a key form the rewrite does not know."""
+    source = HELPERS.replace(*change)
+    assert source != HELPERS
+    result = adapt(source)
+    (outcome,) = result.decoders
+    assert outcome.status == "declined" and fragment in outcome.reason, outcome.reason
+    assert result.code == textwrap.dedent(source)
+
+
+def test_installed_deepseek_v41_nvidia_keeps_its_helpers_and_hands_its_list_on() -> None:
+    """The installed vLLM's models/deepseek_v41/nvidia/model.py: adapted; `_run_layers` / `_collapse` /
+    `_run_replay_layers` byte-identical; collect, the later-rank drop of id start_layer, pack, concatenation."""
+    rel = "models/deepseek_v41/nvidia/model.py"
+    source = _installed_vllm_file(rel)
+    result = adapt_vllm_module(source, label=rel)
+    (outcome,) = result.decoders
+    assert (outcome.class_name, outcome.status, outcome.causal_lm) == ("DeepseekV4Model", "adapted",
+                                                                       ("DeepseekV41LLMForCausalLM",))
+    code = result.code
+    for method in ("_run_layers", "_collapse", "_run_replay_layers"):
+        start = source.index(f"    def {method}(")
+        assert source[start:source.index("\n    def ", start + 10)] in code
+    assert ("        remote_aux = self.collect_remote_aux_hidden_states(intermediate_tensors)\n"
+            "        aux_hidden_by_layer: dict[int, torch.Tensor] = {}\n") in code
+    assert "            aux_hidden_by_layer.pop(self.start_layer, None)\n        aux_hidden_states = [\n" in code
+    assert code.count("**self.pack_local_aux_hidden_states(aux_hidden_states),") == 1
+    assert code.count("aux_hidden_states = remote_aux + aux_hidden_states\n") == 1
+    again = adapt_vllm_module(code, label=rel)
+    assert again.code == code and [d.status for d in again.decoders] == ["unchanged"]
