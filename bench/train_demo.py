@@ -114,9 +114,10 @@ from bench.demo_training.draft_training import train_draft  # noqa: E402
 from bench.demo_training.evaluate import eval_only  # noqa: E402
 from bench.demo_training.pair import train_pair  # noqa: E402
 from bench.demo_training.presets import PRESETS  # noqa: E402
-from bench.demo_training.retrain import retrain_draft  # noqa: E402
+from bench.demo_training.retrain import check_aux_layers, retrain_draft  # noqa: E402
 from bench.demo_training.target_training import make_target, train_target  # noqa: E402
 from pipespec.cli.args import positive_int  # noqa: E402
+from pipespec.errors import UsageError  # noqa: E402
 
 # The names tests/test_bench.py reaches through this command (presets, the models, both training loops).
 __all__ = ["PRESETS", "draft_vocabulary", "main", "make_draft", "make_target", "parse_args", "train_draft",
@@ -184,8 +185,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "1024, capped at the target's vocabulary)")
     parser.add_argument("--draft-intermediate-size", type=positive_int,
                         help="--retrain-draft: the draft layer's MLP width (default 256)")
+    parser.add_argument("--aux-layers", type=_aux_ids, metavar="IDS",
+                        help="--retrain-draft: the target's aux ids the draft reads, comma-separated input-index ids "
+                             "0..N (default EAGLE3's (2, N // 2, N - 3); N = the output of the last layer, pre-norm)")
     parser.add_argument("--json", action="store_true", help="print metrics.json to stdout at the end")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.aux_layers is not None and args.retrain_draft is None:
+        parser.error("--aux-layers needs --retrain-draft DIR (the pair trainer uses EAGLE3's default ids)")
+    return args
+
+
+def _aux_ids(text: str) -> tuple[int, ...]:
+    """An argparse type: ``2,5,8`` -> (2, 5, 8), sorted and deduplicated (the contract's order)."""
+    try:
+        ids = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated layer ids, e.g. 2,5,8") from None
+    if not ids or ids[0] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more ids >= 0, e.g. 2,5,8")
+    return tuple(ids)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -204,6 +222,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     out: Path = args.out
+    if args.retrain_draft is not None:
+        try:
+            check_aux_layers(args.aux_layers, args.retrain_draft / "target")
+        except UsageError as exc:
+            print(f"train_demo: error: {exc}", file=sys.stderr)
+            return 2
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 

@@ -203,6 +203,26 @@ def test_preset_and_quick_are_mutually_exclusive(tmp_path: Path, capsys: pytest.
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--retrain-draft", "sdk/pipespec/demo", "--aux-layers", "2,5,9"], "id 9 is past the target's 8 layers"),
+    (["--retrain-draft", "sdk/pipespec/demo", "--aux-layers", "2,x"], "give comma-separated layer ids"),
+    (["--aux-layers", "2,5,8"], "--aux-layers needs --retrain-draft DIR"),
+])
+def test_bad_aux_layers_are_one_usage_line_and_write_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             flags: list[str], message: str) -> None:
+    td = _train_demo()
+    out = tmp_path / "out"
+    root = Path(__file__).resolve().parents[1]
+    flags = [str(root / f) if f.startswith("sdk/") else f for f in flags]
+    try:
+        code = td.main(["--out", str(out), *flags])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_training_loops_stop_at_the_wall_time_cap_and_say_so() -> None:
     td = _train_demo()
     p = replace(td.PRESETS["quick"], target_steps=3, draft_steps=3, batch_size=2, seq_len=16)

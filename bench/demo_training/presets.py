@@ -71,4 +71,5 @@ class GenerationRecipe:
     # the shipped weights (fp16) stay under 8 MB.
     draft_vocab_size: int = 1024
     draft_intermediate_size: int = 256
+    aux_layers: tuple[int, ...] | None = None  # the target's aux ids the draft reads (None: EAGLE3's default)
     heldout_sequences: int = 64  # generations after held-out-file prompts, never trained on (HeldOut)

@@ -10,6 +10,7 @@ Imports pipespec (aux ids, the demo's prompts) and transformers; nothing of vllm
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -30,12 +31,14 @@ from bench.demo_training.presets import GenerationRecipe, Preset
 from bench.demo_training.record import finish, run_record
 from pipespec.contract.layout import eagle3_default_aux_ids
 from pipespec.engine.draft import Eagle3Draft
+from pipespec.errors import UsageError
 
 Log = Callable[[str], None]
 _RECIPE_FLAGS = (("sequences", "gen_sequences"), ("steps", "draft_steps"), ("batch_size", "batch_size"),
                  ("lr", "draft_lr"), ("gen_batch", "gen_batch"), ("heldout_sequences", "heldout_sequences"),
                  ("prompt_len", "gen_prompt_len"), ("new_tokens", "gen_new_tokens"),
-                 ("draft_vocab_size", "draft_vocab_size"), ("draft_intermediate_size", "draft_intermediate_size"))
+                 ("draft_vocab_size", "draft_vocab_size"), ("draft_intermediate_size", "draft_intermediate_size"),
+                 ("aux_layers", "aux_layers"))
 
 
 def recipe_from_args(args: argparse.Namespace) -> GenerationRecipe:
@@ -64,7 +67,7 @@ def _training_data(target: Any, tokenizer: Any, recipe: GenerationRecipe, p: Pre
     seqs = greedy_generations(target, prompts, recipe.new_tokens, recipe.gen_batch, log)
     phases["generations_s"] = time.perf_counter() - started
     t = time.perf_counter()
-    aux_ids = tuple(eagle3_default_aux_ids(int(target.config.num_hidden_layers)))
+    aux_ids = recipe.aux_layers or tuple(eagle3_default_aux_ids(int(target.config.num_hidden_layers)))
     feats = aux_features(target, seqs, aux_ids, recipe.gen_batch)
     phases["aux_states_s"] = time.perf_counter() - t
     log(f"data: {seqs.shape[0]} greedy generations of {recipe.new_tokens} tokens after {recipe.prompt_len}-token "
@@ -109,6 +112,20 @@ def _evaluate(target_dir: Path, draft_dir: Path, data: TrainingData, tokenizer: 
     evaluation, sample = evaluate_checkpoints(target_dir, draft_dir, data.eval_prompts, p.eval_new_tokens, device,
                                               log, ks=(3,))
     return demo_eval, evaluation, sample
+
+
+def check_aux_layers(aux_layers: tuple[int, ...] | None, target_dir: Path) -> None:
+    """``--aux-layers`` against the target's layer count, before anything is loaded or written."""
+    if aux_layers is None:
+        return
+    config = target_dir / "config.json"
+    if not config.is_file():
+        raise UsageError(f"--retrain-draft: {config} not found (DIR must hold target/ with a config.json)")
+    num_layers = int(json.loads(config.read_text())["num_hidden_layers"])
+    if aux_layers[-1] > num_layers:
+        raise UsageError(f"--aux-layers {','.join(map(str, aux_layers))}: id {aux_layers[-1]} is past the target's "
+                         f"{num_layers} layers ({config}); use ids 0..{num_layers} (id {num_layers} is the last "
+                         "layer's output, before the final norm)")
 
 
 def retrain_draft(args: argparse.Namespace, argv: Sequence[str] | None, preset_name: str, p: Preset, log: Log) -> int:
