@@ -6,6 +6,7 @@ Must not import the CLI or vllm.
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -248,14 +249,25 @@ class StageRounds(StageDrafting):
                 return
 
     def run(self) -> float:
-        """Decode every sequence to completion; the wall time in seconds."""
+        """Decode every sequence to completion; the wall time in seconds.
+
+        Everything alive before the loop (torch, transformers, the model: millions of objects) is moved out
+        of the garbage collector's reach for the loop (``gc.freeze``, as vLLM does after start-up): a full
+        collection then walks only what the rounds made. Without it one full collection, set off by the
+        backlog of rounds without drafts, stalled a plain round at c = 32 on one H200 for 380-450 ms,
+        a third of the run, in the ``publish`` phase where the host happened to allocate."""
+        gc.collect()
+        gc.freeze()
         started = time.perf_counter()
-        with torch.inference_mode():
-            while not self.scheduler.done():
-                self.run_step()
-            if self.sender is not None:
-                self.sender.flush()
-            self.channel.close()
+        try:
+            with torch.inference_mode():
+                while not self.scheduler.done():
+                    self.run_step()
+                if self.sender is not None:
+                    self.sender.flush()
+                self.channel.close()
+        finally:
+            gc.unfreeze()
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         self.elapsed = time.perf_counter() - started
