@@ -501,58 +501,6 @@ def test_a_tail_whose_drafting_rounds_got_dearer_measures_plain_there() -> None:
     assert "16" not in policy.trace()["ratios"] or policy.trace()["ratios"]["16"] > 1.6
 
 
-def finish_drain(policy: SpecPolicy, hard_rows: int, queued: int | None = 0) -> tuple[list[bool], float]:
-    """32 sequences of 256 tokens in one micro-batch: ``32 - hard_rows`` accept well (3.4 tokens per drafting
-    round), ``hard_rows`` accept nothing; a drafting round costs 3.5 ms at 32 rows and less as rows finish,
-    a plain round 2.6 ms (one H200's figures at c = 32, 2026-12-02). The policy is told every row's tokens
-    left and the requests waiting (``queued``; None: not told)."""
-    easy = [4, 3, 4, 3, 3]
-    left, steps, now, mode, modes = [256] * 32, [0] * 32, 0.0, True, []
-    while any(left):
-        rows = [i for i in range(32) if left[i]]
-        got, per_row = 0, []
-        for i in rows:
-            pattern = [1] if i >= 32 - hard_rows else easy
-            take = min(left[i], pattern[steps[i] % len(pattern)] if mode else 1)
-            steps[i] += mode
-            left[i] -= take
-            got += take
-            per_row.append((i, take, left[i]))
-        now += ((2.5 + len(rows) / 32) if mode else (2.3 + 0.3 * len(rows) / 32)) / 1e3
-        modes.append(mode)
-        policy.record(mode, got, now, rows=len(rows), draft_seconds=0.8e-3 if mode else 0.0,
-                      load=sum(1 for n in left if n), per_row=per_row if queued is not None else None, queued=queued)
-        mode = policy.speculate()
-    return modes, 32 * 256 / now
-
-
-def test_with_no_request_waiting_the_batch_finish_decides() -> None:
-    """Drafting commits 2.7 tokens per row and round at full load, 1.6x plain decoding's tokens/s, but 8 rows
-    accept nothing and set when the batch finishes: drafted, they advance one token per 3.5 ms round
-    instead of per 2.6 ms. With the rows' tokens left known and no request waiting, the first decision
-    compares the batch's finish (drafting's figure scaled by the slowest row's acceptance over the mean)
-    and decodes plainly; told nothing, it drafts at full load for ~70 rounds."""
-    _, always = finish_drain(SpecPolicy("always"), 8)
-    plain = 32 * 256 / (256 * (2.3 + 0.3) / 1e3)
-    assert always < 0.9 * plain  # the premise: drafting loses the batch's finish
-    policy = worker_policy()
-    modes, rate = finish_drain(policy, 8)
-    assert rate >= 0.97 * max(always, plain)
-    first = policy.trace()["trace"][0]
-    assert first["mode"] == "plain" and first["finish_scale"] < 0.5
-    blind_modes, blind = finish_drain(worker_policy(), 8, queued=None)
-    assert rate > blind and modes.count(False) > blind_modes.count(False) + 30
-
-
-def test_requests_waiting_for_a_slot_keep_the_throughput_view() -> None:
-    """The same batch with requests waiting for a slot: a finished row takes the next request, so the
-    tokens/s of the round is what counts, and drafting (1.6x) is chosen."""
-    policy = worker_policy()
-    finish_drain(policy, 8, queued=3)
-    first = policy.trace()["trace"][0]
-    assert first["mode"] == "speculate" and "finish_scale" not in first
-
-
 def test_a_load_above_every_measured_one_is_measured_afresh() -> None:
     """Load grows past what was measured (new requests arriving): the carried ratio is no bound there
     (more rows make drafting's extra positions dearer), so both modes are measured again."""
