@@ -148,6 +148,12 @@ ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
                                 "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "sliding_window_size": 4,
                                 "layernorm_epsilon": 1e-6, "moe_layer_freq": [0, 1, 1, 1, 1, 1]},
                                "vLLM reads the sliding/full layer pattern and the sliding-attention shape"),
+    "KimiLinearForCausalLM": ({"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+                               "q_lora_rank": None, "mla_use_nope": True, "linear_attn_config": None,
+                               "attn_res_block_size": None, "num_experts": None},
+                              "latent-attention dims the config leaves unset; every layer full MLA attention and "
+                              "dense (its KDA linear-attention layers and routers run Triton / CUDA kernels only); "
+                              "no attention-residual blocks (their op is a Triton kernel): the plain branch"),
     "MiniMaxM2ForCausalLM": ({"rotary_dim": 8, "scoring_func": "softmax", "max_model_len": 128},
                              "vLLM reads config.rotary_dim (partial rotary) and the router's scoring_func"),
     "Step3TextForCausalLM": ({"moe_layers_enum": "1,2,3,4,5", "tie_word_embeddings": False, "moe_num_experts": 4,
