@@ -898,6 +898,16 @@ def test_one_loop_per_config_branch_each_rewritten_with_its_own_returns() -> Non
     assert again.code == code and [d.status for d in again.decoders] == ["unchanged"]
 
 
+def _assert_declined_unchanged(base: str, change: tuple[str, str], fragment: str) -> None:
+    """``base`` with ``change`` made is declined with ``fragment`` in the reason, and left as it is."""
+    source = base.replace(*change)
+    assert source != base
+    result = adapt(source)
+    (outcome,) = result.decoders
+    assert outcome.status == "declined" and fragment in outcome.reason, outcome.reason
+    assert result.code == textwrap.dedent(source)
+
+
 @pytest.mark.parametrize(("change", "fragment"), [
     (("            bank = self.new_bank(hidden_states, residual)\n",
       "            hidden_states = self.scale(hidden_states)\n"),
@@ -914,12 +924,7 @@ def test_branches_that_cannot_share_one_prelude_are_declined(change: tuple[str, 
     """A branch that changes the stream before its loop (the shared id start_layer capture would miss it);
     a branch that falls through into the other loop (one path runs both); a kept own capture (no id
     start_layer) beside a contract capture (id start_layer) with no capture of the model's to follow."""
-    source = BRANCHES.replace(*change)
-    assert source != BRANCHES
-    result = adapt(source)
-    (outcome,) = result.decoders
-    assert outcome.status == "declined" and fragment in outcome.reason, outcome.reason
-    assert result.code == textwrap.dedent(source)
+    _assert_declined_unchanged(BRANCHES, change, fragment)
 
 
 def _installed_vllm_file(rel: str) -> str:
@@ -1041,12 +1046,7 @@ def test_layers_run_in_helper_methods_with_the_models_own_keyed_capture() -> Non
 def test_helper_forms_that_cannot_be_read_as_safe_are_declined(change: tuple[str, str], fragment: str) -> None:
     """A helper run over a range that is not this stage's, a key that is not a layer id of this stage, forward
     writing the table itself, a list not in the order of the ids, a key form the rewrite does not know."""
-    source = HELPERS.replace(*change)
-    assert source != HELPERS
-    result = adapt(source)
-    (outcome,) = result.decoders
-    assert outcome.status == "declined" and fragment in outcome.reason, outcome.reason
-    assert result.code == textwrap.dedent(source)
+    _assert_declined_unchanged(HELPERS, change, fragment)
 
 
 def test_installed_deepseek_v41_nvidia_keeps_its_helpers_and_hands_its_list_on() -> None:
