@@ -358,9 +358,8 @@ def _importing_holders(module: str, names: Sequence[str]) -> list[tuple[str, str
                 continue
             path = _module_path(mod)
             tree = _parsed(path)
-            mod_package = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
             for node in tree.body:
-                if isinstance(node, ast.ImportFrom) and _import_source(node, mod_package) in (module, f"{package}.{stem}") \
+                if isinstance(node, ast.ImportFrom) and _import_source(node, mod, path) in (module, f"{package}.{stem}") \
                         and any(a.name in names for a in node.names):
                     out.append((mod, cls))
                     break
@@ -368,16 +367,22 @@ def _importing_holders(module: str, names: Sequence[str]) -> list[tuple[str, str
 
 
 def _module_path(mod: str) -> str:
-    """The source file of ``mod`` (a ``vllm.`` module): ``<name>.py``, else the package's ``__init__.py``."""
-    base = os.path.join(vllm_root(), *mod.split(".")[1:])
-    return base + ".py" if os.path.isfile(base + ".py") else os.path.join(base, "__init__.py")
+    """The source file of ``mod`` (a ``vllm.`` module: ``<name>.py``, else its package's ``__init__.py``) by
+    the codemod's own import rule (``vllm_native_index.module_path``); "" when it is not on disk."""
+    from pathlib import Path
+
+    from pipespec.codemods.vllm_native_index import module_path
+
+    found = module_path(mod, 0, Path(), Path(vllm_root()), packages=True)
+    return str(found) if found is not None else ""
 
 
-def _import_source(node: Any, package: str) -> str:
-    """The absolute module a ``from ... import`` statement in a module of ``package`` imports from."""
+def _import_source(node: Any, importer: str, path: str) -> str:
+    """The absolute module a ``from ... import`` statement of module ``importer`` (source file ``path``)
+    imports from: relative levels count from the importer's package (itself, for an ``__init__.py``)."""
     if node.level == 0:
         return str(node.module or "")
-    parts = package.split(".")
+    parts = (importer if path.endswith("__init__.py") else importer.rpartition(".")[0]).split(".")
     if node.level > 1:
         parts = parts[: len(parts) - (node.level - 1)]
     return ".".join([*parts, *([node.module] if node.module else [])])
@@ -400,11 +405,10 @@ def _defining_modules(mod: str, cls: str, depth: int = 0) -> list[str]:
         return [mod]
     if depth > 2:
         return []
-    package = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
     out: list[str] = []
     for node in ast.walk(tree):  # every branch of a platform switch
         if isinstance(node, ast.ImportFrom) and any(a.name == cls and a.asname in (None, cls) for a in node.names):
-            for found in _defining_modules(_import_source(node, package), cls, depth + 1):
+            for found in _defining_modules(_import_source(node, mod, path), cls, depth + 1):
                 if found not in out:
                     out.append(found)
     return out
