@@ -32,9 +32,10 @@ threshold for the same effect). ``--spec-policy adaptive`` measures instead of g
   load. τ must also beat drafting's round time now over a plain round's at the carried load (a plain
   round does not get dearer as rows leave, whatever a drafting round does): on one H200 at c = 32 a
   drafting round cost 4.5 ms at 32 rows and 6.3-7.1 ms in the tail, against ~3 ms plain at any load, and
-  the ratio carried from full load (1.3) kept drafting through a tail that plain decoding won. Before this, a fixed batch's tail (8 -> 4 -> 2 -> 1 running sequences) measured plain decoding
-  at every halving — 19 plain rounds and 6 switches in a 153-round run at c = 8 on one H200, where
-  drafting won by 1.2x, and adaptive lost 11 % to ``always``. The periodic re-measuring stays, so a
+  the ratio carried from full load (1.3) kept drafting through a tail that plain decoding won. Before
+  this, a fixed batch's tail (8 -> 4 -> 2 -> 1 running sequences) measured plain decoding at every
+  halving — 19 plain rounds and 6 switches in a 153-round run at c = 8 on one H200, where drafting won
+  by 1.2x, and adaptive lost 11 % to ``always``. The periodic re-measuring stays, so a
   wrong ρ bound costs at most one exploit period;
 * the first ``warmup`` rounds after the start are not measured: a fresh stage's first decode rounds
   pay one-time costs (first-touch memory, allocator growth; 1.6x a steady round on the 2-core CPU
@@ -180,7 +181,7 @@ class SpecPolicy:
     _plain_round: dict[int, float] = field(default_factory=dict)  # load -> a plain round's seconds measured there
     _check: tuple[float, int] | None = None  # (ratio, the load it was measured at) a load change is checked against
     _resume_until: float = 0.0  # the exploit period a load check resumes when it passes
-    _recent: deque[tuple[int, int, float, float]] = field(default_factory=deque)  # drafting rounds while exploiting
+    _recent: deque[tuple[int, int, float, float]] = field(default_factory=deque)  # the last drafting rounds at this load
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
