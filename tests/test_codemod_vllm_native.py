@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -938,15 +939,20 @@ def _installed_vllm_file(rel: str) -> str:
     return (roots[0] / rel).read_text(encoding="utf-8")
 
 
+def _adapted_installed(rel: str, decoder: str, causal_lm: str) -> tuple[str, Any]:
+    """The installed vLLM's ``rel`` and its adaptation, checked to adapt ``decoder`` (held by ``causal_lm``)."""
+    source = _installed_vllm_file(rel)
+    result = adapt_vllm_module(source, label=rel)
+    (outcome,) = result.decoders
+    assert (outcome.class_name, outcome.status, outcome.causal_lm) == (decoder, "adapted", (causal_lm,))
+    return source, result
+
+
 def test_installed_kimi_k3_amd_linear_adapts_both_branches() -> None:
     """The installed vLLM's models/kimi_k3/amd/linear.py (two layer loops, one per attn_res_block_size
     branch): adapted, ids start_layer on the first rank only, both branches' returns handed on; a fixed point."""
     rel = "models/kimi_k3/amd/linear.py"
-    source = _installed_vllm_file(rel)
-    result = adapt_vllm_module(source, label=rel)
-    (outcome,) = result.decoders
-    assert (outcome.class_name, outcome.status, outcome.causal_lm) == ("KimiLinearModel", "adapted",
-                                                                       ("KimiLinearForCausalLM",))
+    _, result = _adapted_installed(rel, "KimiLinearModel", "KimiLinearForCausalLM")
     forward = result.code[result.code.index("    def forward(", result.code.index("class KimiLinearModel(")):]
     forward = forward[:forward.index("\n    def load_weights(")]
     assert forward.count("self.collect_remote_aux_hidden_states(intermediate_tensors)") == 1
@@ -1053,11 +1059,7 @@ def test_installed_deepseek_v41_nvidia_keeps_its_helpers_and_hands_its_list_on()
     """The installed vLLM's models/deepseek_v41/nvidia/model.py: adapted; `_run_layers` / `_collapse` /
     `_run_replay_layers` byte-identical; collect, the later-rank drop of id start_layer, pack, concatenation."""
     rel = "models/deepseek_v41/nvidia/model.py"
-    source = _installed_vllm_file(rel)
-    result = adapt_vllm_module(source, label=rel)
-    (outcome,) = result.decoders
-    assert (outcome.class_name, outcome.status, outcome.causal_lm) == ("DeepseekV4Model", "adapted",
-                                                                       ("DeepseekV41LLMForCausalLM",))
+    source, result = _adapted_installed(rel, "DeepseekV4Model", "DeepseekV41LLMForCausalLM")
     code = result.code
     for method in ("_run_layers", "_collapse", "_run_replay_layers"):
         start = source.index(f"    def {method}(")
