@@ -26,11 +26,12 @@ class RewriteForward(cst.CSTTransformer):
         plans: tuple[ForwardPlan, ...] = plan.plans if isinstance(plan, Branches) else () if isinstance(plan, Helpers) else (plan,)
         # hidden, residual and aux: the same in every branch (vllm_native_branches.settle)
         self.plan = plans[0] if plans else None
-        self.aux, self.hidden = (plan.aux, plan.hidden) if isinstance(plan, Helpers) else (plans[0].aux, plans[0].hidden)
+        edits: tuple[ForwardPlan | Helpers, ...] = plans or (cst.ensure_type(plan, Helpers),)  # what marks nodes
+        self.aux, self.hidden = edits[0].aux, edits[0].hidden
         self.by_loop = {id(p.loop.node): p for p in plans}
-        self.remove = {id(n) for p in (*plans, plan) if not isinstance(p, Branches) for n in p.remove}
-        self.nonlast = {id(r) for p in (*plans, plan) if not isinstance(p, Branches) for r in p.nonlast}
-        self.last = {id(r) for p in (*plans, plan) if not isinstance(p, Branches) for r in p.last}
+        self.remove = {id(n) for p in edits for n in p.remove}
+        self.nonlast = {id(r) for p in edits for r in p.nonlast}
+        self.last = {id(r) for p in edits for r in p.last}
         self.own_kept = all(p.own_capture for p in plans) if plans else True
         used = {self.aux, self.hidden}.union(*(names_in(p.loop.node) for p in plans))
         if isinstance(plan, Helpers):
