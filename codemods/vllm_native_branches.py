@@ -30,7 +30,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from pipespec.codemods.vllm_native_helpers import Helpers, helper_plan
-from pipespec.codemods.vllm_native_loop import Loop
+from pipespec.codemods.vllm_native_loop import Loop, code_of
 from pipespec.codemods.vllm_native_shape import (
     ClassLookup,
     Decline,
@@ -121,7 +121,7 @@ def settle(branches: Branches, paths: Sequence[tuple[cst.For, list[cst.BaseState
         watched = {plan.hidden} | ({plan.residual} if plan.residual and not plan.own_capture else set())
         for stmt in path[len(branches.prefix):at]:
             if _bound(stmt) & watched:
-                raise Decline(f"`{_code(stmt)}` rebinds `{'/'.join(sorted(_bound(stmt) & watched))}` between the "
+                raise Decline(f"`{code_of(stmt)}` rebinds `{'/'.join(sorted(_bound(stmt) & watched))}` between the "
                               "branch's start and its layer loop: the id start_layer capture, shared by the branches, "
                               "would not be the stream that loop starts from", stmt)
     return branches
@@ -187,11 +187,6 @@ def _bound(stmt: cst.CSTNode) -> set[str]:
     for t in m.findall(stmt, m.AssignTarget() | m.AnnAssign() | m.AugAssign()):
         out |= {n.value for n in m.findall(t.target, m.Name())}  # type: ignore[attr-defined]
     return out
-
-
-def _code(node: cst.CSTNode) -> str:
-    text = " ".join(cst.Module([]).code_for_node(node).split())
-    return text if len(text) <= 90 else text[:87] + "..."
 
 
 __all__ = ["Branches", "forward_plans", "with_plans"]
