@@ -283,7 +283,13 @@ class SpecPolicy:
         self._block = 0
         self._measuring.pop(0)
         spec, plain = self._measured[True], self._measured[False]
-        if self._check is not None and speculated and self._checked(now, spec):
+        if self._check is not None and speculated:
+            if not self._checked(now, spec):
+                # The check failed: plain decoding is measured now. Not the estimate's "ahead of plain
+                # decoding's best, pool another window" below: the check already judged drafting against a
+                # plain round actually measured (on the 2-core CPU at c = 8 that branch kept drafting through
+                # a tail of 4 rows that plain decoding won, 17 rounds until the batch ended).
+                self._switch(self._measuring[0])
             return
         slack = self.few_rows_slack if spec.rows <= self.few_rows * spec.rounds else self.bound_slack
         # Drafting's figure: this cycle's window pooled with the drafting rounds just before it at this load
