@@ -12,7 +12,7 @@ import pytest
 
 from pipespec.cli import main
 from pipespec.cli.demo import shipped_pair
-from pipespec.engine.phases import PHASE_SYNC_ENV, PROFILE_ENV, PhaseClock
+from pipespec.engine.phases import PHASE_SYNC_ENV, PROFILE_ENV, PY_PROFILE_ENV, PhaseClock
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,6 +64,19 @@ def test_profile_directory_gets_one_operator_table_per_stage(
     assert last.startswith("# stage 1 on cpu") and "aten::mm" in last
 
 
+def test_python_profile_writes_each_stages_functions(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "py"
+    monkeypatch.setenv(PY_PROFILE_ENV, str(out))
+    generate(capsys, k=3, tokens=6)
+    assert sorted(p.name for p in out.iterdir()) == ["stage0_py.prof", "stage0_py.txt", "stage1_py.prof", "stage1_py.txt"]
+    last = (out / "stage1_py.txt").read_text()
+    assert last.startswith("# stage 1 on cpu") and "# sorted by cumulative" in last
+    assert "(_turn)" in last and "(_draft)" in last  # the rounds and the last stage's drafting, by name
+    assert "(_draft)" not in (out / "stage0_py.txt").read_text()
+
+
 def test_bad_settings_are_usage_errors(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -79,3 +92,9 @@ def test_bad_settings_are_usage_errors(
                  "--max-new-tokens", "3", "--json", "--timeout", "60"])
     assert code == 2
     assert f"{PROFILE_ENV}=" in capsys.readouterr().err
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "a"))
+    monkeypatch.setenv(PY_PROFILE_ENV, str(tmp_path / "b"))
+    code = main(["generate", "--target", str(target), "--draft", str(draft), "--pp", "2", "--prompt-ids", "5,6,7",
+                 "--max-new-tokens", "3", "--json", "--timeout", "60"])
+    assert code == 2
+    assert f"set {PROFILE_ENV} or {PY_PROFILE_ENV}, not both" in capsys.readouterr().err

@@ -14,6 +14,10 @@ to attribute, not to measure throughput).
 
 ``$PIPESPEC_PROFILE=DIR`` runs the decode loop under ``torch.profiler`` and writes
 ``DIR/stage<rank>_ops.txt``: the operators by host time and, on CUDA, by device time.
+``$PIPESPEC_PROFILE_PY=DIR`` runs it under ``cProfile`` instead and writes ``DIR/stage<rank>_py.txt``: the
+Python functions by their own time and by cumulative time (the whole profile in ``stage<rank>_py.prof``) — where a host-bound round's milliseconds go
+between the phases' spans (one of the two at a time: each profiler's overhead would land in the other's
+figures).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pipespec.errors import UsageError
 
 PHASE_SYNC_ENV = "PIPESPEC_PHASE_SYNC"
 PROFILE_ENV = "PIPESPEC_PROFILE"
+PY_PROFILE_ENV = "PIPESPEC_PROFILE_PY"
 
 
 class PhaseClock:
@@ -68,23 +73,30 @@ class PhaseClock:
         }
 
 
-def profile_dir() -> Path | None:
-    """``$PIPESPEC_PROFILE`` as a directory to write profiles to (created), or None when unset."""
-    value = os.environ.get(PROFILE_ENV, "").strip()
+def profile_dir(env: str = PROFILE_ENV) -> Path | None:
+    """``$PIPESPEC_PROFILE`` (or ``env``) as a directory to write profiles to (created), or None when unset."""
+    value = os.environ.get(env, "").strip()
     if not value:
         return None
     path = Path(value)
     if path.exists() and not path.is_dir():
-        raise UsageError(f"{PROFILE_ENV}={value!r} is a file, not a directory")
+        raise UsageError(f"{env}={value!r} is a file, not a directory")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 @contextlib.contextmanager
 def maybe_profile(rank: int, device: torch.device) -> Iterator[None]:
-    """Profile the enclosed code with ``torch.profiler`` when ``$PIPESPEC_PROFILE`` is set (see the module
-    doc); otherwise do nothing."""
+    """Profile the enclosed code with ``torch.profiler`` when ``$PIPESPEC_PROFILE`` is set, with ``cProfile``
+    when ``$PIPESPEC_PROFILE_PY`` is (see the module doc); otherwise do nothing."""
     out = profile_dir()
+    py_out = profile_dir(PY_PROFILE_ENV)
+    if out is not None and py_out is not None:
+        raise UsageError(f"set {PROFILE_ENV} or {PY_PROFILE_ENV}, not both: each profiler's overhead lands in the other's figures")
+    if py_out is not None:
+        with _python_profile(rank, device, py_out):
+            yield
+        return
     if out is None:
         yield
         return
@@ -99,3 +111,26 @@ def maybe_profile(rank: int, device: torch.device) -> Iterator[None]:
     if device.type == "cuda":
         parts += ["\n# operators by device time (self)\n", averages.table(sort_by="self_device_time_total", row_limit=40)]
     (out / f"stage{rank}_ops.txt").write_text("".join(parts))
+
+
+@contextlib.contextmanager
+def _python_profile(rank: int, device: torch.device, out: Path) -> Iterator[None]:
+    """The enclosed code under ``cProfile``; ``out/stage<rank>_py.txt`` gets the top functions by own and
+    by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+    parts = [f"# stage {rank} on {device}: Python functions by own time\n"]
+    for key, limit in (("tottime", 40), ("cumulative", 30)):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(limit)
+        parts += [f"\n# sorted by {key}\n", text.getvalue()]
+    (out / f"stage{rank}_py.txt").write_text("".join(parts))
+    profiler.dump_stats(out / f"stage{rank}_py.prof")  # the whole profile, for pstats or a viewer
