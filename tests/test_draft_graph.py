@@ -182,13 +182,13 @@ def test_select_and_concat_keep_the_storage_and_the_drafts() -> None:
     runner = _runner(draft, capacity=96)
     pair = _Pair(draft, runner, *_prefilled(draft, gen, [6, 3, 8, 5], capacity=30))
     pair.propose(gen, 4, 3, [4, 2, 1, 3])
-    pair.select([0, 2, 3])  # row 1 finished
+    pair.select([0, 3, 2])  # row 1 finished: the last row fills its gap, moved within the storage (RowBatch.drop)
     pair.propose(gen, 2, 3, [2, 1, 2])
     # Two new sequences prefilled in their own (smaller) caches join the running rows.
     pair.concat(*_prefilled(draft, gen, [7, 2], capacity=12))
     assert pair.cache.batch_size == 5
     pair.propose(gen, 3, 3, [1, 3, 2, 3, 3])
-    pair.select([4, 1, 0])  # reordered as well as dropped
+    pair.select([4, 1, 0])  # reordered as well as dropped: packed to the front through a copy
     pair.propose(gen, 1, 3, None)
     # A part with a larger capacity than the storage's is copied in as long as its rows fit.
     pair.concat(*_prefilled(draft, gen, [9], capacity=200))

@@ -36,6 +36,8 @@ import torch
 from torch.nn import functional as F
 from transformers.cache_utils import DynamicLayer
 
+from pipespec.engine.row_moves import fill_gaps_order
+
 __all__ = ["RowBatch", "batchable", "pack_bytes", "pad_rows", "to_device", "to_device_many", "unpack_bytes"]
 
 
@@ -226,20 +228,30 @@ class RowBatch:
         self.compactions += 1
 
     def drop(self, requests: set[int]) -> None:
-        """Remove the rows of ``requests`` (finished or cancelled), from the draft cache too."""
+        """Remove the rows of ``requests`` (finished or cancelled), from the draft cache too. The last rows
+        fill the gaps (``pipespec.engine.row_moves``): the order of rows is free, and fixed buffers then
+        copy only the rows that move."""
         keep = [b for b, r in enumerate(self.rows) if r not in requests]
         if len(keep) == self.size:
             return
-        index = torch.tensor(keep, dtype=torch.long)
-        if keep:
-            on_device = to_device(index, self.device)
+        order = fill_gaps_order(self.size, keep)
+        index = torch.tensor(order, dtype=torch.long)
+        if order:
+            on_device: torch.Tensor | None = None
             for layer in self._owned_layers():
-                if layer.keys is not None and layer.keys.numel():
-                    layer.keys = layer.keys.index_select(0, on_device)
-                    layer.values = layer.values.index_select(0, on_device)
+                if layer.keys is None or not layer.keys.numel():
+                    continue
+                select_rows = getattr(layer, "select_rows", None)  # a SlotLayer moves rows in place
+                if select_rows is not None:
+                    select_rows(order)
+                    continue
+                if on_device is None:
+                    on_device = to_device(index, self.device)
+                layer.keys = layer.keys.index_select(0, on_device)
+                layer.values = layer.values.index_select(0, on_device)
             if self.draft_cache is not None:
-                self.draft_cache = self.draft_cache.select(keep)
-        self.rows = [self.rows[b] for b in keep]
+                self.draft_cache = self.draft_cache.select(order)
+        self.rows = [self.rows[b] for b in order]
         self.valid = self.valid[index]
         if keep:
             self._trim()

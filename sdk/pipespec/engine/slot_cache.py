@@ -21,10 +21,13 @@ Lengths and row counts are host integers (the schedule knows them), the same on 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicLayer
+
+from pipespec.engine.row_moves import in_place_moves
 
 __all__ = ["SlotLayer", "SlotStore", "slot_bytes"]
 
@@ -108,6 +111,21 @@ class SlotLayer(DynamicLayer):
             value = value.clone()  # a view of the buffer itself: overlapping copies are undefined
         buffer[:rows, :, :length].copy_(value)
         self._filled[which] = (rows, length)
+
+    def select_rows(self, order: Sequence[int]) -> None:
+        """Keep the rows ``order`` (old row indices, in their new order). When every row that moves comes
+        from past the new row count (``RowBatch.drop``'s order: the last rows fill the gaps) they are copied
+        in place, row by row; otherwise the whole filled part is gathered and copied back."""
+        rows, length = self._common()
+        moves = in_place_moves(order, rows)
+        if moves is not None:
+            for dst, src in moves:
+                self.key_buffer[dst, :, :length].copy_(self.key_buffer[src, :, :length])
+                self.value_buffer[dst, :, :length].copy_(self.value_buffer[src, :, :length])
+            self._filled = {"keys": (len(order), length), "values": (len(order), length)}
+            return
+        index = torch.tensor(list(order), dtype=torch.long, device=self.device)
+        self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
 
     # --------------------------------------------------------------------------- transformers' layer API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

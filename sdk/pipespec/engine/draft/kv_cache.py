@@ -15,6 +15,7 @@ import torch
 from torch.nn import functional as F
 
 from pipespec.engine.draft.counts import Counts, long_on, valid_counts
+from pipespec.engine.row_moves import in_place_moves
 
 if TYPE_CHECKING:
     from pipespec.engine.draft.storage import DraftStorage
@@ -133,7 +134,8 @@ class DraftKVCache:
         """A new cache holding copies of ``rows`` (in that order); same capacity, dtype and device.
 
         On an adopted cache the rows are written back into its storage (packed to the front) and the
-        result is adopted there too; this cache is stale afterwards.
+        result is adopted there too; this cache is stale afterwards. Where only rows from past the new row
+        count move into its gaps (``RowBatch.drop``'s order) just those rows are copied, within the storage.
         """
         if self._static is not None:
             self._static.check(self)
@@ -142,13 +144,17 @@ class DraftKVCache:
         bad = [r for r in picked if not 0 <= r < size]
         if bad:
             raise ValueError(f"select rows {bad} are outside the cache's {size} rows")
+        host = None if self._host is None else [self._host[r] for r in picked]
+        max_length = self.max_length if host is None else max(host, default=0)
+        if self._static is not None:
+            moves = in_place_moves(picked, size)
+            if moves is not None:  # the rows past the new count fill its gaps: move them within the storage
+                return self._static._move(moves, len(picked), max_length, host)
         runs = _runs(picked)
 
         def take(t: torch.Tensor) -> torch.Tensor:
             return torch.cat([t[a:b] for a, b in runs]) if runs else t[:0].clone()
 
-        host = None if self._host is None else [self._host[r] for r in picked]
-        max_length = self.max_length if host is None else max(host, default=0)
         picked_rows = DraftKVCache._of(take(self.key), take(self.value), take(self._lengths), max_length, host)
         if self._static is None:
             return picked_rows

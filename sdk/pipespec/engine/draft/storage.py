@@ -64,6 +64,20 @@ class DraftStorage:
                 "rewrote; use the cache that call returned"
             )
 
+    def _move(
+        self, moves: Sequence[tuple[int, int]], rows: int, max_length: int, host: list[int] | None,
+    ) -> DraftKVCache:
+        """Copy row ``src`` over row ``dst`` for each of ``moves`` (sources at or past ``rows``, so none is
+        overwritten before it is read); the adopted cache of the first ``rows`` rows."""
+        for dst, src in moves:
+            self.key[dst].copy_(self.key[src])
+            self.value[dst].copy_(self.value[src])
+            self.lengths[dst].copy_(self.lengths[src])
+        self.generation += 1
+        with torch.inference_mode(False):  # plain views, as in _fill
+            key, value, lengths = self.key[:rows], self.value[:rows], self.lengths[:rows]
+        return DraftKVCache._of(key, value, lengths, max_length, None if host is None else list(host), static=self)
+
     def _fill(
         self, start: int, parts: Sequence[DraftKVCache], max_length: int, host: list[int] | None,
     ) -> DraftKVCache:
