@@ -83,7 +83,7 @@ class StageRunner(StageWarmup):
         # more round is skipped: its interval spans the pipeline's change of mode.
         self.policy = SpecPolicy(job.spec_policy, settle=1, warmup=POLICY_WARMUP_ROUNDS * micro_batches) if ctx.is_last and self.k else None  # type: ignore[arg-type]
         # Positions verified while not speculating, per request, waiting for the draft (last stage).
-        self.backlog: dict[int, list[tuple[torch.Tensor, list[int]]]] = {}
+        self.backlog: dict[int, list[tuple[torch.Tensor, int, list[int]]]] = {}  # request -> (round's aux copy, its row, ids)
         self.backlog_positions: dict[int, int] = {}  # positions held per request (the sum of its backlog)
         self.backlog_cap = draft_backlog()
         self.draft_ingests = 0  # one-pass ingestions of a backlog (while or after decoding plainly)

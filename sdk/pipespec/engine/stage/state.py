@@ -66,7 +66,7 @@ class StageState:
     stores: list[SlotStore]
     graphed: dict[int, GraphedForwards]
     policy: SpecPolicy | None
-    backlog: dict[int, list[tuple[torch.Tensor, list[int]]]]
+    backlog: dict[int, list[tuple[torch.Tensor, int, list[int]]]]  # request -> (a round's aux copy, its row there, the ids)
     backlog_positions: dict[int, int]
     backlog_cap: int
     draft_ingests: int
