@@ -256,7 +256,7 @@ def test_pipeline_sweep_script_measures_fixed_length_prompts_and_writes_its_file
     assert set(rows) == {"pipeline.ratio.c3.p40", "pipeline.tokens_per_s.c3.p40.mb1", "pipeline.tokens_per_s.c3.p40.mb2",
                          "pipeline.default.c3.p40"}
     # c = 3 at k = 3: 8 tokens per micro-batch forward with two, below the CPU threshold: one.
-    assert "default --micro-batches picked 1 (one micro-batch: 2 would carry 8 tokens per forward each, < 64 on cpu" in (
+    assert "default --micro-batches picked 1 (one micro-batch: 2 would carry 8 tokens per forward each, < 16 on cpu" in (
         rows["pipeline.default.c3.p40"]["detail"])
     ratio = rows["pipeline.ratio.c3.p40"]
     assert "outputs identical" in ratio["detail"] and "prompts of 40 tokens" in ratio["detail"]

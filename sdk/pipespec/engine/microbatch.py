@@ -65,7 +65,10 @@ Status = Literal["waiting", "running", "finished", "cancelled"]
 # 2026-12-02: under load (average 5-8) 0.97 / 0.93 / 0.87 at c = 8 / 32 / 128 (and 0.70 at c = 32 on
 # the demo pair), on the machine quiet (average < 2, runs within 10 %) 1.12 / 1.14 / 1.70 and 0.86 for
 # plain decoding at c = 8: the quiet run agrees with P from 64 at c = 32 and 128; c = 8 stays a near tie.
-MIN_TOKENS_PER_FORWARD = {"cuda": 256, "cpu": 64}
+# A second quiet run (load < 1, `pipespec bench pipeline`): 1.156 at c = 8 (16 tokens), 1.41 / 1.51 at c =
+# 32 / 128, 0.95 for plain decoding at c = 8 (4 tokens). Both quiet runs put the break-even between 4 and
+# 16 tokens, and under load c = 8 is a tie either way (median 0.965), so the CPU threshold is 16.
+MIN_TOKENS_PER_FORWARD = {"cuda": 256, "cpu": 16}
 
 
 def micro_batch_rule(pp: int, num_requests: int, max_num_seqs: int | None = None, *, tokens_per_row: int = 1,
