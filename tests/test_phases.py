@@ -52,14 +52,18 @@ def test_plain_decoding_has_no_draft_phase(capsys: pytest.CaptureFixture[str]) -
     assert not {"draft", "draft_backlog"} & set(result["stages"][-1]["phase_s"])
 
 
+def profiled(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, out: Path, env: str) -> list[str]:
+    """A short drafting run with the profile of ``env`` written to ``out``: the files there."""
+    monkeypatch.setenv(env, str(out))
+    generate(capsys, k=3, tokens=6)
+    return sorted(p.name for p in out.iterdir())
+
+
 def test_profile_directory_gets_one_operator_table_per_stage(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "profile"
-    monkeypatch.setenv(PROFILE_ENV, str(out))
-    generate(capsys, k=3, tokens=6)
-    tables = sorted(p.name for p in out.iterdir())
-    assert tables == ["stage0_ops.txt", "stage1_ops.txt"]
+    assert profiled(capsys, monkeypatch, out, PROFILE_ENV) == ["stage0_ops.txt", "stage1_ops.txt"]
     last = (out / "stage1_ops.txt").read_text()
     assert last.startswith("# stage 1 on cpu") and "aten::mm" in last
 
@@ -68,9 +72,8 @@ def test_python_profile_writes_each_stages_functions(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "py"
-    monkeypatch.setenv(PY_PROFILE_ENV, str(out))
-    generate(capsys, k=3, tokens=6)
-    assert sorted(p.name for p in out.iterdir()) == ["stage0_py.prof", "stage0_py.txt", "stage1_py.prof", "stage1_py.txt"]
+    files = profiled(capsys, monkeypatch, out, PY_PROFILE_ENV)
+    assert files == ["stage0_py.prof", "stage0_py.txt", "stage1_py.prof", "stage1_py.txt"]
     last = (out / "stage1_py.txt").read_text()
     assert last.startswith("# stage 1 on cpu") and "# sorted by cumulative" in last
     assert "(_turn)" in last and "(_draft)" in last  # the rounds and the last stage's drafting, by name
