@@ -12,7 +12,7 @@ import pytest
 
 from pipespec.cli import main
 from pipespec.cli.demo import shipped_pair
-from pipespec.engine.phases import PHASE_SYNC_ENV, PROFILE_ENV, PY_PROFILE_ENV, PhaseClock
+from pipespec.engine.phases import FIRST_SPANS, PHASE_SYNC_ENV, PROFILE_ENV, PY_PROFILE_ENV, PhaseClock
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,6 +43,12 @@ def test_every_stage_reports_its_phases_within_its_decode_time(capsys: pytest.Ca
             assert p["ms_per"] * p["n"] == pytest.approx(1e3 * p["s"], abs=0.06)  # s is rounded to 0.1 ms
             assert p["ms_per"] <= p["max_ms"] + 1e-3 and p["max_ms"] <= 1e3 * p["s"] + 0.06  # the longest span
         assert list(phases) == sorted(phases, key=lambda name: -phases[name]["s"])  # largest first
+        # The first spans one by one: the first 16 of each phase (12 tokens: 12 forwards), in order.
+        spans = stage["phase_first_ms"]
+        assert set(spans) == set(phases)
+        for name, kept in spans.items():
+            assert len(kept) == min(phases[name]["n"], FIRST_SPANS)
+            assert max(kept) <= phases[name]["max_ms"] + 1e-3 and sum(kept) <= 1e3 * phases[name]["s"] + 0.06
     # Every round's message is read once (the last one by the turn that finds nothing left to launch).
     assert first["phase_s"]["message"]["n"] == rounds
 

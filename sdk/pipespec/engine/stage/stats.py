@@ -30,6 +30,7 @@ def stage_stats(runner: StageRunner) -> dict[str, Any]:
         "hop_send_wait_s": round(runner.sender.waited_s, 4) if runner.sender else 0.0,
         "step_message_wait_s": round(runner.channel.waited_s, 4),
         "phase_s": runner.clock.to_json(),
+        "phase_first_ms": runner.clock.first_ms(),
         "cuda_graphs": runner.graph_mode or "off",
         **({"graphs_captured": sum(g.captured for g in runner.graphed.values()),
             "graph_replays": sum(g.replays for g in runner.graphed.values()),
