@@ -221,6 +221,21 @@ def test_write_keeps_permissions(llama_copy: Path) -> None:
     assert (llama_copy.stat().st_mode & 0o777, llama_copy.read_text()) == (0o640, "x = 1\n")
 
 
+def test_the_vllm_module_cache_is_written_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vLLM integration's cache of adapted modules writes through the same ``write_atomic``: a new
+    directory is made, and where nothing can be written it says so (False) and leaves no file behind."""
+    from pipespec.integrations.vllm.adapted_modules import _write_atomically
+
+    entry = tmp_path / "cache" / "llama-0123.py"
+    assert _write_atomically(entry, "x = 1\n") and entry.read_text() == "x = 1\n"
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert not _write_atomically(blocked / "llama-0123.py", "x = 2\n")  # its parent is a file
+    monkeypatch.setattr(os, "replace", lambda *a, **k: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    assert not _write_atomically(entry, "x = 3\n")
+    assert entry.read_text() == "x = 1\n" and sorted(p.name for p in entry.parent.iterdir()) == ["llama-0123.py"]
+
+
 # ------------------------------------------------------------------------------- header
 def test_header_keeps_one_entry_per_class_and_a_shebang() -> None:
     code = "#!/usr/bin/env python\nx = 1\n"

@@ -22,6 +22,7 @@ from pipespec.codegen.write import write_atomic
 from pipespec.contract.registry import Registry, default_registry
 from pipespec.contract.spec import AdapterSpec, spec_from_mapping
 from pipespec.errors import PipespecError, UsageError
+from pipespec.integrations.transformers.zoo import sizes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -30,9 +31,9 @@ else:  # pragma: no cover
 
 __all__ = ["TINY", "Scaffold", "scaffold_adapter", "tiny_config_kwargs"]
 
-#: The generic tiny-model recipe (canonical HF names; mapped to each config's own field names).
-TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
-        "num_attention_heads": 4, "num_key_value_heads": 2}
+#: The generic tiny-model recipe (canonical HF names; mapped to each config's own field names): the zoo's sizes.
+TINY = {"vocab_size": sizes.VOCAB, "hidden_size": sizes.HIDDEN, "intermediate_size": sizes.FFN,
+        "num_hidden_layers": sizes.LAYERS, "num_attention_heads": sizes.HEADS, "num_key_value_heads": sizes.KV_HEADS}
 _TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 _MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 

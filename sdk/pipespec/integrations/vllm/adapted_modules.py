@@ -31,16 +31,16 @@ import linecache
 import logging
 import os
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import pipespec
+from pipespec.atomic_write import write_atomic
 from pipespec.contract.registry import default_registry
 from pipespec.contract.spec import AdapterSpec
-from pipespec.errors import SpecError, UnsupportedModelError, UsageError
+from pipespec.errors import PipespecError, SpecError, UnsupportedModelError, UsageError
 
 logger = logging.getLogger("pipespec.vllm")
 
@@ -168,18 +168,13 @@ def _cache_path(module_name: str, key: str) -> Path | None:
 
 
 def _write_atomically(path: Path, text: str) -> bool:
-    """Write ``path`` whole or not at all (processes starting together may write the same entry)."""
-    tmp: str | None = None
+    """Write ``path`` whole or not at all (processes starting together may write the same entry); False
+    when it cannot be written (a read-only home: the module still builds in memory)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".py")
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
+        write_atomic(path, text)
         return True
-    except OSError as exc:  # a read-only home: the module still builds in memory
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+    except (OSError, PipespecError) as exc:
         logger.debug("pipespec: cannot write the adapted-module cache %s (%s)", path, exc)
         return False
 

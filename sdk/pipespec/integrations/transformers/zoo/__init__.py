@@ -9,17 +9,37 @@ table and the ``--write-coverage`` report (docs/coverage.md); ``shapes`` labels 
 
 from __future__ import annotations
 
-from pipespec.integrations.transformers.zoo.check import ZooResult, run_type
-from pipespec.integrations.transformers.zoo.compare import REL_TOL
-from pipespec.integrations.transformers.zoo.runner import run_zoo
-from pipespec.integrations.transformers.zoo.shapes import SHAPES
-from pipespec.integrations.transformers.zoo.tiny import (
-    TinyBuildError,
-    TinyModel,
-    build_tiny_model,
-    causal_lm_model_types,
-    tiny_config,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipespec.integrations.transformers.zoo.check import ZooResult, run_type
+    from pipespec.integrations.transformers.zoo.compare import REL_TOL
+    from pipespec.integrations.transformers.zoo.runner import run_zoo
+    from pipespec.integrations.transformers.zoo.shapes import SHAPES
+    from pipespec.integrations.transformers.zoo.tiny import (
+        TinyBuildError,
+        TinyModel,
+        build_tiny_model,
+        causal_lm_model_types,
+        tiny_config,
+    )
+
+# Imported on first use (PEP 562): the submodules import torch and transformers, and a caller that only
+# needs the tiny sizes (``zoo.sizes``: ``adapter-gen new``'s scaffold) must not pay for them.
+_EXPORTS = {
+    "REL_TOL": "compare", "SHAPES": "shapes", "TinyBuildError": "tiny", "TinyModel": "tiny", "ZooResult": "check",
+    "build_tiny_model": "tiny", "causal_lm_model_types": "tiny", "run_type": "check", "run_zoo": "runner",
+    "tiny_config": "tiny",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = [
     "REL_TOL",
