@@ -309,17 +309,17 @@ def tiny_vllm_config(architecture: str, file_stem: str) -> tuple[Any, str]:
         if _takes_any_keyword(config_cls):
             # a config whose __init__ forwards **kwargs to PretrainedConfig keeps them as attributes
             kwargs = {**{k: v for k, v in GENERIC_REMOTE.items() if k not in fields}, **kwargs}
-        hf_tiny._tiny_special_ids(fields, kwargs)
-        hf_tiny._scale_mla_dims(fields, kwargs)
+        hf_tiny.tiny_special_ids(fields, kwargs)
+        hf_tiny.scale_mla_dims(fields, kwargs)
         hf_fix = hf_tiny.FIXES.get(model_type)
         if hf_fix is not None:
             hf_fix.apply(kwargs)
         kwargs.update(CONSTRUCTOR_FIXES.get(architecture, ({}, ""))[0])
         try:
-            with hf_tiny._quiet():
+            with hf_tiny.quiet_transformers():
                 config = config_cls(**kwargs)
         except Exception as exc:  # noqa: BLE001 - any validation failure is the reason to report
-            raise TinyConfigError(f"vLLM config {config_cls.__name__} rejects the tiny recipe: {_one_line(exc)}") from None
+            raise TinyConfigError(f"vLLM config {config_cls.__name__} rejects the tiny recipe: {hf_tiny.one_line(exc)}") from None
     else:
         try:
             config, _fixes = hf_tiny.tiny_config(model_type)
@@ -437,7 +437,3 @@ def write_model_dir(config: Any, directory: str) -> str:
         json.dump(data, f)
     return directory
 
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:300]}"

@@ -54,7 +54,11 @@ __all__ = [
     "TinyModel",
     "build_tiny_model",
     "causal_lm_model_types",
+    "one_line",
+    "quiet_transformers",
+    "scale_mla_dims",
     "tiny_config",
+    "tiny_special_ids",
 ]
 
 #: Upper bound on a tiny model's parameters; above it the recipe missed a size field of the type.
@@ -106,7 +110,7 @@ GENERIC: dict[str, Any] = {
     "vocab_size_per_layer_input": VOCAB,
     "hidden_size_per_layer_input": 8,
     # multi-head latent attention (DeepSeek-style)
-    # (head dims are scaled from the defaults by _scale_mla_dims; the ranks are independent of them)
+    # (head dims are scaled from the defaults by scale_mla_dims; the ranks are independent of them)
     "kv_lora_rank": 16,
     "q_lora_rank": 32,
     "rotary_dim": 8,  # partial rotary (CodeGen, GPT-J): at most the tiny head_dim
@@ -183,7 +187,9 @@ def config_fields(config_cls: type) -> dict[str, Any]:
     return out
 
 
-def _tiny_special_ids(fields: dict[str, Any], kwargs: dict[str, Any]) -> None:
+def tiny_special_ids(fields: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """Token-id fields whose defaults fall outside the tiny vocabulary: the known ones set to their tiny ids,
+    the others to distinct ids counted down from the vocabulary's end (into ``kwargs``)."""
     spare = VOCAB - 1
     for name, default in fields.items():
         if not (name.endswith("token_id") or name.endswith("token_index") or name.endswith("token_ids")):
@@ -214,7 +220,7 @@ def _truncate_layer_list(values: list[Any], n: int = LAYERS) -> list[Any]:
 _MLA_DIMS = ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "head_dim")
 
 
-def _scale_mla_dims(fields: dict[str, Any], kwargs: dict[str, Any]) -> None:
+def scale_mla_dims(fields: dict[str, Any], kwargs: dict[str, Any]) -> None:
     """Latent-attention head dims, scaled together so the rope part is 8 wide.
 
     Their relations differ by family (``head_dim`` is the rope width in DeepSeek-V3.2, rope + nope in
@@ -242,7 +248,7 @@ def _hashable(value: Any) -> Any:
 def _default_instance(config_cls: type) -> Any | None:
     """The config class built with its defaults, to read what ``__post_init__`` derives (None if it fails)."""
     try:
-        with _quiet():
+        with quiet_transformers():
             return config_cls()
     except Exception:  # noqa: BLE001 - some classes need arguments; the recipe then works from fields only
         return None
@@ -259,8 +265,8 @@ def _recipe(config_cls: type, depth: int) -> dict[str, Any]:
         kwargs["sliding_window"] = 4  # shorter than the test sequence, so sliding masks matter
     if "is_decoder" in fields:
         kwargs["is_decoder"] = True  # BERT-style stacks are causal only as decoders
-    _tiny_special_ids(fields, kwargs)
-    _scale_mla_dims(fields, kwargs)
+    tiny_special_ids(fields, kwargs)
+    scale_mla_dims(fields, kwargs)
     default = _default_instance(config_cls)
     default_depth = _depth_of(default)
     for name in fields:
@@ -350,12 +356,12 @@ def tiny_config(model_type: str) -> tuple[Any, tuple[str, ...]]:
     applied += [sub_cls.model_type for sub_cls, _ in kwargs.get(SUB_CONFIGS, {}).values() if sub_cls.model_type in FIXES]
     target = kwargs.pop(BUILD_FROM, None)
     try:
-        with _quiet():
+        with quiet_transformers():
             config = _instantiate(config_cls, kwargs)
             if target is not None:
                 config = getattr(config, target)
     except Exception as exc:  # noqa: BLE001 - any config validation failure is the reason to report
-        raise TinyBuildError(f"config {config_cls.__name__} rejects the tiny recipe: {_one_line(exc)}") from None
+        raise TinyBuildError(f"config {config_cls.__name__} rejects the tiny recipe: {one_line(exc)}") from None
     return config, tuple(dict.fromkeys(applied))
 
 
@@ -364,10 +370,10 @@ def build_tiny_model(model_type: str, seed: int = 0) -> TinyModel:
     config, fixes = tiny_config(model_type)
     lm_class = _causal_lm_class(model_type, config)
     try:
-        with _quiet(), torch.device("meta"):
+        with quiet_transformers(), torch.device("meta"):
             shell = _from_config(lm_class, config)
     except Exception as exc:  # noqa: BLE001
-        raise TinyBuildError(f"{type(config).__name__} does not build a causal LM: {_one_line(exc)}") from None
+        raise TinyBuildError(f"{type(config).__name__} does not build a causal LM: {one_line(exc)}") from None
     count = sum(p.numel() for p in shell.parameters())
     if count > MAX_TINY_PARAMS:
         biggest = max(shell.named_parameters(), key=lambda kv: kv[1].numel())
@@ -378,10 +384,10 @@ def build_tiny_model(model_type: str, seed: int = 0) -> TinyModel:
     del shell
     torch.manual_seed(seed)
     try:
-        with _quiet():
+        with quiet_transformers():
             model = _from_config(lm_class, config)
     except Exception as exc:  # noqa: BLE001
-        raise TinyBuildError(f"{type(config).__name__} does not build a causal LM: {_one_line(exc)}") from None
+        raise TinyBuildError(f"{type(config).__name__} does not build a causal LM: {one_line(exc)}") from None
     model.eval()
     return TinyModel(model_type=model_type, config=config, model=model, fixes=fixes, num_parameters=count)
 
@@ -406,13 +412,13 @@ def _from_config(lm_class: Any, config: Any) -> torch.nn.Module:
     return build(config, dtype=torch.float32, attn_implementation="eager")  # type: ignore[no-any-return]
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:300]}"
 
 
 @contextmanager
-def _quiet() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """Silence transformers' config warnings (token ids, rope fields) while building tiny models."""
     logger = logging.getLogger("transformers")
     level = logger.level
