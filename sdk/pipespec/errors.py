@@ -33,3 +33,10 @@ class UnsupportedModelError(PipespecError):
 
 class CheckpointError(PipespecError):
     """A checkpoint directory or file is missing, corrupt, or does not match the model."""
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``exc`` as one line for a report: its type, then its message with whitespace collapsed, cut at
+    ``limit`` characters (the zoo tables give each failing model one line)."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:limit]}"

@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from pipespec.errors import one_line
+
 __all__ = ["ATOL", "Job", "check_pp1", "init_rank", "run_stage", "serve", "zoo_ids"]
 
 #: Max abs error between the aux states and the reference residual stream (float32, same kernels).
@@ -646,9 +648,5 @@ def serve(conn: Any, world_size: int, rank: int, init_method: str, log_path: str
         except AuxCheckError as exc:
             conn.send(("mismatch", str(exc)))
         except Exception as exc:  # noqa: BLE001 - every failure of one model is that model's reason
-            conn.send(("error", _one_line(exc)))
+            conn.send(("error", one_line(exc, limit=400)))
 
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:400]}"

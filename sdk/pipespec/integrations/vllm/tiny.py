@@ -22,6 +22,8 @@ import os
 from functools import cache
 from typing import Any
 
+from pipespec.errors import one_line
+
 __all__ = ["ARCH_FIXES", "CONSTRUCTOR_FIXES", "GENERIC_REMOTE", "REMOTE_MODEL_TYPES", "SIZE_LIMITS", "TOWERS_BUILT", "TinyConfigError", "architectures_of", "check_tiny",
            "model_type_of", "tiny_vllm_config", "write_model_dir"]
 
@@ -319,7 +321,7 @@ def tiny_vllm_config(architecture: str, file_stem: str) -> tuple[Any, str]:
             with hf_tiny.quiet_transformers():
                 config = config_cls(**kwargs)
         except Exception as exc:  # noqa: BLE001 - any validation failure is the reason to report
-            raise TinyConfigError(f"vLLM config {config_cls.__name__} rejects the tiny recipe: {hf_tiny.one_line(exc)}") from None
+            raise TinyConfigError(f"vLLM config {config_cls.__name__} rejects the tiny recipe: {one_line(exc)}") from None
     else:
         try:
             config, _fixes = hf_tiny.tiny_config(model_type)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from pipespec.errors import one_line
 from pipespec.integrations.transformers.zoo.fixes import FIXES
 from pipespec.integrations.transformers.zoo.sizes import (
     BUILD_FROM,
@@ -54,7 +55,6 @@ __all__ = [
     "TinyModel",
     "build_tiny_model",
     "causal_lm_model_types",
-    "one_line",
     "quiet_transformers",
     "scale_mla_dims",
     "tiny_config",
@@ -411,10 +411,6 @@ def _from_config(lm_class: Any, config: Any) -> torch.nn.Module:
     build = lm_class.from_config if hasattr(lm_class, "from_config") else lm_class._from_config
     return build(config, dtype=torch.float32, attn_implementation="eager")  # type: ignore[no-any-return]
 
-
-def one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:300]}"
 
 
 @contextmanager
