@@ -141,8 +141,9 @@ class SpecPolicy:
     by reading the weights, and the estimate is close: plain decoding reached 1.1x it at c = 1 on 2x H200
     with CUDA graphs, 1.9x at c = 8); ``bound_windows``: how many windows of drafting are pooled before
     the estimate is given up on and plain decoding is measured (while drafting is ahead of the estimate
-    at all: on one H200 at c = 1 single 4-round windows fell below 1.5x it about once a run, and each
-    time 6 plain rounds and a draft catch-up cost ~6 % of the run); ``load_ratio``: the change in
+    at all, at ``few_rows`` rows a round or fewer, and plain decoding is unmeasured in the cycle: on one
+    H200 at c = 1 single 4-round windows fell below 1.5x it about once a run, and each time 6 plain rounds
+    and a draft catch-up cost ~6 % of the run); ``load_ratio``: the change in
     running sequences (either way) that restarts the measuring, or, while drafting wins and a ratio
     measured at a load at or above the new one is known, checks drafting's acceptance against it
     (``load_checks`` counts the changes settled so, without a plain round); ``warmup``: rounds left
