@@ -61,7 +61,8 @@ from pipespec.codemods.vllm_forward_shape import (
     names_in,
     self_attr,
 )
-from pipespec.codemods.vllm_native_shape import Decline, sent_stream
+from pipespec.codemods.vllm_native_captures import sent_stream
+from pipespec.codemods.vllm_native_loop import Decline
 from pipespec.contract.spec import AdapterSpec
 
 GENERATOR = "adapt_vllm_forward"
