@@ -109,19 +109,14 @@ import torch
 if not __package__:  # run as a script (or loaded from its path): make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.demo_training.draft_model import draft_vocabulary, make_draft  # noqa: E402
-from bench.demo_training.draft_training import train_draft  # noqa: E402
 from bench.demo_training.evaluate import eval_only  # noqa: E402
 from bench.demo_training.pair import train_pair  # noqa: E402
 from bench.demo_training.presets import PRESETS  # noqa: E402
 from bench.demo_training.retrain import check_aux_layers, retrain_draft  # noqa: E402
-from bench.demo_training.target_training import make_target, train_target  # noqa: E402
 from pipespec.cli.args import positive_int  # noqa: E402
 from pipespec.errors import UsageError  # noqa: E402
 
-# The names tests/test_bench.py reaches through this command (presets, the models, both training loops).
-__all__ = ["PRESETS", "draft_vocabulary", "main", "make_draft", "make_target", "parse_args", "train_draft",
-           "train_target"]
+__all__ = ["main", "parse_args"]
 
 
 def _positive(unit: str) -> Callable[[str], float]:

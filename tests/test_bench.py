@@ -171,10 +171,16 @@ def test_bad_pair_is_one_usage_line(tmp_path: Path, case: str, capsys: pytest.Ca
 
 # ---------------------------------------------------------------------------------- train_demo
 def _train_demo() -> Any:
+    """The command (``bench/train_demo.py``) and the steps it runs (``bench/demo_training``), by module."""
     sys.path.insert(0, str(ROOT))
-    import bench.train_demo as train_demo
+    import types
 
-    return train_demo
+    import bench.train_demo as command
+    from bench.demo_training import draft_model, draft_training, presets, target_training
+
+    return types.SimpleNamespace(main=command.main, PRESETS=presets.PRESETS, make_target=target_training.make_target,
+                                 train_target=target_training.train_target, make_draft=draft_model.make_draft,
+                                 draft_vocabulary=draft_model.draft_vocabulary, train_draft=draft_training.train_draft)
 
 
 def test_medium_preset_builds_a_50_to_60m_target_and_its_draft() -> None:
