@@ -29,11 +29,11 @@ from pipespec.integrations.vllm.zoo import (
     _environment,
     _importing_holders,
     _jobs_for,
-    _Pool,
     adapt_files,
     inherited_flag_verdicts,
     vllm_root,
 )
+from pipespec.integrations.vllm.zoo_workers import WorkerPool
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_PIPESPEC = Path(sys.executable).with_name("pipespec")
@@ -42,8 +42,8 @@ MODELS = "vllm.model_executor.models"
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[_Pool]:
-    p = _Pool()
+def pool() -> Iterator[WorkerPool]:
+    p = WorkerPool()
     try:
         yield p
     finally:
@@ -64,7 +64,7 @@ def _row(job: Job) -> ZooResult:
 
 
 @pytest.mark.timeout(240)
-def test_llama_as_shipped_is_supported_at_pp1_and_pp2(pool: _Pool) -> None:
+def test_llama_as_shipped_is_supported_at_pp1_and_pp2(pool: WorkerPool) -> None:
     """vLLM's own llama.py packs the planned keys at PP=2 and its aux states equal the residual stream."""
     row = _row(_job("llama", "LlamaForCausalLM", None))
     _check(pool, _job("llama", "LlamaForCausalLM", None), row)
@@ -77,7 +77,7 @@ def test_llama_as_shipped_is_supported_at_pp1_and_pp2(pool: _Pool) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_decoder_shipped_without_aux_support_fails_pp1(pool: _Pool) -> None:
+def test_decoder_shipped_without_aux_support_fails_pp1(pool: WorkerPool) -> None:
     """gemma.py as vLLM ships it returns no aux states: the check fails instead of passing vacuously."""
     row = _row(_job("gemma", "GemmaForCausalLM", None))
     _check(pool, _job("gemma", "GemmaForCausalLM", None), row)
@@ -86,7 +86,7 @@ def test_decoder_shipped_without_aux_support_fails_pp1(pool: _Pool) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_capture_at_idx_instead_of_idx_plus_one_is_a_numerical_mismatch(pool: _Pool) -> None:
+def test_capture_at_idx_instead_of_idx_plus_one_is_a_numerical_mismatch(pool: WorkerPool) -> None:
     """The right classes with each layer's capture one id early: PP=1 reports the id and the difference."""
     adapted = adapt_vllm_module(_source("gemma"), label="gemma.py").code
     broken, edits = re.subn(r"(self\._maybe_add_hidden_state\(\s*aux_hidden_states,\s*)idx \+ 1\b", r"\1idx", adapted)
@@ -101,7 +101,7 @@ def test_capture_at_idx_instead_of_idx_plus_one_is_a_numerical_mismatch(pool: _P
 
 
 @pytest.mark.timeout(240)
-def test_mamba1_mixer_without_runner_metadata_is_checked(pool: _Pool) -> None:
+def test_mamba1_mixer_without_runner_metadata_is_checked(pool: WorkerPool) -> None:
     """mamba.py adapted: its Mamba-1 mixers (whose no-metadata path cannot run on the CPU build) are not
     run, and the decoder loop is verified at PP=1 and PP=2 like any other."""
     (rel, outcome, code, _source_text), = adapt_files(["model_executor/models/mamba.py"])
@@ -141,7 +141,7 @@ def test_registry_package_is_followed_to_the_platform_variant_holding_the_decode
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("rel", ["model_executor/models/nemotron_h.py", "model_executor/models/deepseek_v2.py"])
-def test_dense_nemotron_h_and_latent_attention_are_verified(pool: _Pool, rel: str) -> None:
+def test_dense_nemotron_h_and_latent_attention_are_verified(pool: WorkerPool, rel: str) -> None:
     """Nemotron-H built with Mamba, MLP and attention layers only (its MoE layers' non-gated experts have no
     CPU kernel), and DeepSeek-V2's MLA on vLLM's CPU_MLA backend (AMX_MLA, picked where the CPU has AMX,
     refuses the tiny heads): both verified at PP=1 and PP=2."""

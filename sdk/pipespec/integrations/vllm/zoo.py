@@ -5,8 +5,8 @@
    decoders). Each decoder is ``adapted``, ``unchanged`` (already PP-correct) or ``declined``.
 2. Map each decoder's ``*ForCausalLM`` to an architecture name through vLLM's registry.
 3. Check (``pipespec.integrations.vllm.harness``): one PP=1 worker and one PP=2 pair of processes (vLLM's
-   own process groups over gloo on 127.0.0.1) stay alive and every model streams through them, each with
-   a timeout; a worker that dies or hangs is restarted. PP=1: aux states == the unadapted model's
+   own process groups over gloo on 127.0.0.1; ``pipespec.integrations.vllm.zoo_workers``) stay alive and
+   every model streams through them, each with a timeout; a worker that dies or hangs is restarted. PP=1: aux states == the unadapted model's
    residual stream. PP=2: rank 0 sends exactly the keys ``pipespec.contract.layout.plan_layout`` says for stage 0,
    and rank 1, fed rank 0's tensors, returns aux states equal to the PP=1 reference.
 4. Classify: ``verified`` (adapted, both checks pass), ``supported`` (unchanged and both pass),
@@ -19,24 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import multiprocessing
 import os
-import shutil
-import socket
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from pipespec.integrations.vllm.harness import ATOL, AUX_PREFIX, Job, serve
+from pipespec.integrations.vllm.harness import ATOL, AUX_PREFIX, Job
+from pipespec.integrations.vllm.zoo_workers import WorkerPool
 
 __all__ = ["ENVIRONMENT_ERRORS", "FLAG_CLASSES", "STATUSES", "ZooResult", "decoder_files", "inherited_flag_verdicts", "run_vllm_zoo"]
 
 STATUSES = ("verified", "supported", "declined", "failed")
-#: Seconds one model may take in one worker request before the worker is restarted.
-REQUEST_TIMEOUT_S = 90.0
-START_TIMEOUT_S = 180.0
 #: The inherited-flag classes of issue 14, judged by ``pipespec.integrations.vllm.support``.
 FLAG_CLASSES = (
     ("vllm.model_executor.models.qwen3_vl", "Qwen3LLMModel"),
@@ -131,96 +125,6 @@ def _registered_classes(module: str, source: str) -> list[str]:
                    if (mod == module or module.startswith(mod + ".")) and f"class {cls}(" in source})
 
 
-# ------------------------------------------------------------------------------------- workers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class _Pool:
-    """The PP=1 worker and the PP=2 pair; ``ask`` sends one request and waits at most the timeout."""
-
-    def __init__(self) -> None:
-        self.ctx = multiprocessing.get_context("spawn")
-        self.workers: dict[str, tuple[Any, Any]] = {}
-        self.logs = tempfile.mkdtemp(prefix="pipespec-vllm-zoo-logs-")
-        self.start("pp1")
-        self.start("pp2")
-
-    def start(self, group: str) -> None:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        ranks = ["pp1"] if group == "pp1" else ["pp2-0", "pp2-1"]
-        init = f"tcp://127.0.0.1:{_free_port()}"
-        for rank, name in enumerate(ranks):
-            parent, child = self.ctx.Pipe()
-            log = os.path.join(self.logs, f"{name}.log")
-            open(log, "w").close()  # a restarted worker's log starts empty: its tail is its own
-            proc = self.ctx.Process(target=serve, args=(child, len(ranks), rank, init, log), daemon=True,
-                                    name=f"zoo-{name}")
-            proc.start()
-            child.close()
-            self.workers[name] = (proc, parent)
-
-    def _ready(self, name: str) -> None:
-        proc, conn = self.workers[name]
-        if getattr(proc, "_zoo_ready", False):
-            return
-        if not conn.poll(START_TIMEOUT_S):
-            raise RuntimeError(f"worker {name} did not start within {START_TIMEOUT_S:.0f} s")
-        kind, _ = conn.recv()
-        if kind != "ready":
-            raise RuntimeError(f"worker {name} answered {kind!r} at start")
-        proc._zoo_ready = True  # noqa: SLF001 - a flag on our own process object
-
-    def ask(self, name: str, request: tuple[str, tuple[Any, ...]]) -> tuple[str, Any]:
-        try:
-            self._ready(name)
-            proc, conn = self.workers[name]
-            conn.send(request)
-            if conn.poll(REQUEST_TIMEOUT_S):
-                return conn.recv()  # type: ignore[no-any-return]
-            reason = f"timed out after {REQUEST_TIMEOUT_S:.0f} s"
-        except (EOFError, OSError, RuntimeError) as exc:
-            reason = f"died ({type(exc).__name__}{': ' + str(exc) if str(exc) else ''}; last log line: {self._last_words(name)})"
-        self.restart("pp1" if name == "pp1" else "pp2")
-        return "error", f"{name} worker {reason}; restarted it"
-
-    def _last_words(self, name: str) -> str:
-        try:
-            with open(os.path.join(self.logs, f"{name}.log"), encoding="utf-8", errors="replace") as f:
-                lines = [line.strip() for line in f if line.strip()]
-        except OSError:
-            return "none"
-        return lines[-1][:300] if lines else "none"
-
-    def restart(self, group: str) -> None:
-        names = ["pp1"] if group == "pp1" else ["pp2-0", "pp2-1"]
-        for name in names:
-            proc, conn = self.workers.pop(name)
-            proc.kill()
-            proc.join(10)
-            conn.close()
-        self.start(group)
-
-    def close(self) -> None:
-        for _proc, conn in self.workers.values():
-            try:
-                conn.send(None)
-            except OSError:
-                pass
-        for proc, conn in self.workers.values():
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-            conn.close()
-        self.workers.clear()
-        shutil.rmtree(self.logs, ignore_errors=True)
-
-
 # --------------------------------------------------------------------------------------- checks
 #: Build errors that come from this machine's vLLM build, not from the model or its adaptation: (text in
 #: the error, what it means). A row with one stays "failed"; its reason says the decoder was not checked.
@@ -255,7 +159,7 @@ def _environment(reason: str) -> str:
     return reason
 
 
-def _check(pool: _Pool, job: Job, row: ZooResult) -> None:
+def _check(pool: WorkerPool, job: Job, row: ZooResult) -> None:
     """Fill ``row`` from the PP=1 and PP=2 checks of ``job``."""
     from pipespec.contract.layout import plan_layout
 
@@ -453,7 +357,7 @@ def adapt_files(files: Sequence[str], progress: Callable[[str], None] | None = N
 
 def run_vllm_zoo(files: Sequence[str], progress: Any | None = None) -> list[ZooResult]:
     """Adapt and check every PP decoder in ``files`` (see the module docstring)."""
-    pool = _Pool()  # workers import vLLM while the codemod runs
+    pool = WorkerPool()  # workers import vLLM while the codemod runs
     try:
         decoders = adapt_files(files, None if progress is None else progress.adapting)
         if progress is not None:
