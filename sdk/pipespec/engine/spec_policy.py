@@ -247,7 +247,7 @@ class SpecPolicy:
         a change restarts the measuring). ``per_row`` (optional): (request, tokens committed, new tokens it
         may still get) of every verified row, and ``queued`` the requests waiting for a slot: with no
         request waiting, the modes are compared by when the batch would finish (``finish_scale``)."""
-        if per_row is not None:
+        if per_row is not None and self.policy != "always":  # ``always`` decides nothing from them
             self._track_rows(speculated and not prefill, per_row)
         if queued is not None:
             self._queued = queued
@@ -312,7 +312,8 @@ class SpecPolicy:
                 # a tail of 4 rows that plain decoding won, 17 rounds until the batch ended).
                 self._switch(self._measuring[0])
             return
-        slack = self.few_rows_slack if spec.rows <= self.few_rows * spec.rounds else self.bound_slack
+        few = spec.rows <= self.few_rows * spec.rounds
+        slack = self.few_rows_slack if few else self.bound_slack
         # Drafting's figure: this cycle's window pooled with the drafting rounds just before it at this load
         # (``bound_windows`` windows' worth): at few rows one 4-round window swings with acceptance. With no
         # request waiting it is scaled to what it does for the batch's finish (``finish_scale``).
@@ -327,7 +328,6 @@ class SpecPolicy:
             self._decided, self._plain_bounded = (spec_rate, bounded.plain_bound), True
             self._best, self._measuring, self._exploit_until = True, [], now  # keep measuring drafting
             return
-        few = spec.rows <= self.few_rows * spec.rounds
         if (speculated and self._measuring and w.rows and few and not plain.rounds
                 and spec.rounds < self.bound_windows * self.window and spec.rate * scale > spec.plain_bound):
             # Ahead of the estimate but not yet by the slack: at few rows a 4-round window swings with
