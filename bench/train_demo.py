@@ -111,12 +111,12 @@ if not __package__:  # run as a script (or loaded from its path): make ``bench``
 
 from bench.demo_training.evaluate import eval_only  # noqa: E402
 from bench.demo_training.pair import train_pair  # noqa: E402
-from bench.demo_training.presets import PRESETS  # noqa: E402
+from bench.demo_training.presets import PRESETS, Preset  # noqa: E402
 from bench.demo_training.retrain import check_aux_layers, retrain_draft  # noqa: E402
 from pipespec.cli.args import positive_int  # noqa: E402
 from pipespec.errors import UsageError  # noqa: E402
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "preset_for"]
 
 
 def _positive(unit: str) -> Callable[[str], float]:
@@ -151,6 +151,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-prompts", type=int, help="override the preset's number of held-out prompts")
     parser.add_argument("--max-corpus-chars", type=int, help="override the preset's corpus size cap")
     parser.add_argument("--batch-size", type=positive_int, help="override the preset's sequences per training step")
+    parser.add_argument("--vocab-size", type=_vocab_size, metavar="V",
+                        help="override the preset's BPE vocabulary (>= 257: the 256 bytes and the end-of-text token); "
+                             "pair training only")
     parser.add_argument("--max-train-s", type=_positive("seconds"), metavar="SECONDS",
                         help="stop target training, and separately draft training, after SECONDS of wall time "
                              "(the LR schedule stays the planned steps'; metrics.json records the steps run)")
@@ -185,9 +188,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "0..N (default EAGLE3's (2, N // 2, N - 3); N = the output of the last layer, pre-norm)")
     parser.add_argument("--json", action="store_true", help="print metrics.json to stdout at the end")
     args = parser.parse_args(argv)
+    if args.vocab_size is not None and (args.retrain_draft is not None or args.eval_only is not None):
+        parser.error("--vocab-size trains a new tokenizer and target: it does not go with --retrain-draft or "
+                     "--eval-only (they keep DIR/target's)")
     if args.aux_layers is not None and args.retrain_draft is None:
         parser.error("--aux-layers needs --retrain-draft DIR (the pair trainer uses EAGLE3's default ids)")
     return args
+
+
+def _vocab_size(text: str) -> int:
+    """An argparse type: a BPE vocabulary of at least the 256 byte tokens and the end-of-text token."""
+    value = positive_int(text)
+    if value < 257:
+        raise argparse.ArgumentTypeError(f"{value} is below 257: byte-level BPE needs the 256 bytes and <|endoftext|>")
+    return value
 
 
 def _aux_ids(text: str) -> tuple[int, ...]:
@@ -201,15 +215,20 @@ def _aux_ids(text: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    preset_name = args.preset or ("quick" if args.quick else "full")
-    p = PRESETS[preset_name]
+def preset_for(args: argparse.Namespace) -> tuple[str, Preset]:
+    """(name, sizes) of the run: ``--preset`` (or ``--quick``; default ``full``) with the flags that override it."""
+    name = args.preset or ("quick" if args.quick else "full")
     overrides = {k: v for k, v in (("target_steps", args.target_steps), ("draft_steps", args.draft_steps),
                                    ("ttt_steps", args.ttt_steps), ("eval_prompts", args.eval_prompts),
-                                   ("max_corpus_chars", args.max_corpus_chars), ("batch_size", args.batch_size))
+                                   ("max_corpus_chars", args.max_corpus_chars), ("batch_size", args.batch_size),
+                                   ("vocab_size", args.vocab_size))
                  if v is not None}
-    p = replace(p, **overrides)
+    return name, replace(PRESETS[name], **overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    preset_name, p = preset_for(args)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         print("train_demo: error: --device cuda but CUDA is not available", file=sys.stderr)

@@ -178,7 +178,8 @@ def _train_demo() -> Any:
     import bench.train_demo as command
     from bench.demo_training import draft_model, draft_training, presets, target_training
 
-    return types.SimpleNamespace(main=command.main, PRESETS=presets.PRESETS, make_target=target_training.make_target,
+    return types.SimpleNamespace(main=command.main, parse_args=command.parse_args, preset_for=command.preset_for,
+                                 PRESETS=presets.PRESETS, make_target=target_training.make_target,
                                  train_target=target_training.train_target, make_draft=draft_model.make_draft,
                                  draft_vocabulary=draft_model.draft_vocabulary, train_draft=draft_training.train_draft)
 
@@ -227,6 +228,34 @@ def test_bad_aux_layers_are_one_usage_line_and_write_nothing(tmp_path: Path, cap
     assert code == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--vocab-size", "256"], "256 is below 257"),
+    (["--vocab-size", "512", "--retrain-draft", "sdk/pipespec/demo"], "--vocab-size trains a new tokenizer"),
+])
+def test_bad_vocab_size_is_one_usage_line_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             flags: list[str], message: str) -> None:
+    td = _train_demo()
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        td.main(["--out", str(out), *flags])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_vocab_size_overrides_the_preset_and_the_draft_keeps_a_smaller_vocabulary_whole() -> None:
+    td = _train_demo()
+    from bench.demo_training.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n" * 50, "class A:\n    pass\n" * 50], 270)
+    assert 257 <= len(tokenizer) <= 270
+    stream = torch.tensor([0, 3, 3, 5, 7, 7, 7], dtype=torch.int32)
+    assert td.draft_vocabulary(stream, 9, 512).tolist() == list(range(9))
+    assert td.draft_vocabulary(stream, 9, 2).tolist() == [3, 7]
+    name, p = td.preset_for(td.parse_args(["--out", "x", "--vocab-size", "320", "--batch-size", "128"]))
+    assert (name, p.vocab_size, p.batch_size, p.hidden_size) == ("full", 320, 128, td.PRESETS["full"].hidden_size)
 
 
 def test_training_loops_stop_at_the_wall_time_cap_and_say_so() -> None:

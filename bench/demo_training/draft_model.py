@@ -22,9 +22,10 @@ EMBED = "embed_tokens."  # the target's embedding, shared with the draft: never 
 
 
 def draft_vocabulary(stream: torch.Tensor, vocab: int, size: int) -> torch.Tensor:
-    """The ``size`` most frequent target ids in the training stream, sorted (EAGLE3's vocabulary pruning)."""
+    """The ``size`` most frequent target ids in the training stream, sorted (EAGLE3's vocabulary pruning);
+    all ``vocab`` of them when ``size`` is larger (e.g. a 320-token target under the full preset's 512)."""
     counts = torch.bincount(stream.long(), minlength=vocab)
-    return counts.topk(size).indices.sort().values
+    return counts.topk(min(size, vocab)).indices.sort().values
 
 
 def make_draft(p: Preset, target_config: Any, draft_ids: torch.Tensor, aux_ids: Sequence[int]) -> Eagle3Draft:
