@@ -139,7 +139,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, type=Path, help="output directory (target/, draft/, metrics.json)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--preset", choices=tuple(PRESETS),
-                      help="sizes and steps: quick (CPU smoke test), full (the shipped demo; default), medium "
+                      help="sizes and steps: quick (CPU smoke test), demo (the shipped pair: target, then the draft "
+                           "on its greedy generations; default), full (the earlier 1024-token demo target), medium "
                            "(a 51M target for GPU speedup runs, one H200)")
     size.add_argument("--quick", action="store_true", help="the same as --preset quick (1-2 min on 2 CPU cores)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -217,7 +218,7 @@ def _aux_ids(text: str) -> tuple[int, ...]:
 
 def preset_for(args: argparse.Namespace) -> tuple[str, Preset]:
     """(name, sizes) of the run: ``--preset`` (or ``--quick``; default ``full``) with the flags that override it."""
-    name = args.preset or ("quick" if args.quick else "full")
+    name = args.preset or ("quick" if args.quick else "demo")
     overrides = {k: v for k, v in (("target_steps", args.target_steps), ("draft_steps", args.draft_steps),
                                    ("ttt_steps", args.ttt_steps), ("eval_prompts", args.eval_prompts),
                                    ("max_corpus_chars", args.max_corpus_chars), ("batch_size", args.batch_size),

@@ -254,8 +254,35 @@ def test_vocab_size_overrides_the_preset_and_the_draft_keeps_a_smaller_vocabular
     stream = torch.tensor([0, 3, 3, 5, 7, 7, 7], dtype=torch.int32)
     assert td.draft_vocabulary(stream, 9, 512).tolist() == list(range(9))
     assert td.draft_vocabulary(stream, 9, 2).tolist() == [3, 7]
-    name, p = td.preset_for(td.parse_args(["--out", "x", "--vocab-size", "320", "--batch-size", "128"]))
-    assert (name, p.vocab_size, p.batch_size, p.hidden_size) == ("full", 320, 128, td.PRESETS["full"].hidden_size)
+    name, p = td.preset_for(td.parse_args(["--out", "x", "--vocab-size", "512", "--batch-size", "32"]))
+    demo = td.PRESETS["demo"]
+    assert (name, p.vocab_size, p.batch_size, p.hidden_size) == ("demo", 512, 32, demo.hidden_size)
+    assert (demo.vocab_size, demo.batch_size) != (512, 32)
+
+
+@pytest.mark.timeout(300)
+def test_a_preset_with_a_draft_recipe_trains_the_target_then_the_draft_on_its_generations(tmp_path: Path) -> None:
+    """One command, both steps (the ``demo`` preset's shape at smoke size): the draft is EAGLE3's recipe on the
+    target's own greedy generations, and metrics.json keeps the target's training record beside the recipe."""
+    td = _train_demo()
+    from bench.demo_training.pair import train_pair
+    from bench.demo_training.presets import GenerationRecipe
+
+    recipe = GenerationRecipe(sequences=12, prompt_len=8, new_tokens=10, gen_batch=12, steps=3, batch_size=4,
+                              draft_vocab_size=512, draft_intermediate_size=32, heldout_sequences=4)
+    p = replace(td.PRESETS["quick"], target_steps=4, batch_size=4, seq_len=32, eval_prompts=2, eval_new_tokens=8,
+                draft_recipe=recipe)
+    args = td.parse_args(["--out", str(tmp_path), "--quick", "--draft-steps", "2"])
+    assert train_pair(args, [], "quick", p, lambda _msg: None, 0.0) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["recipe"]["kind"].startswith("EAGLE3 training-time test")
+    assert (metrics["recipe"]["sequences"], metrics["recipe"]["steps"], metrics["recipe"]["batch_size"]) == (12, 2, 4)
+    assert metrics["target"]["steps_run"] == 4 and metrics["target"]["parameters"] > 0
+    assert metrics["draft"]["steps_run"] == 2 and metrics["draft"]["init"] == {"from": "scratch"}
+    assert {"corpus_and_tokenizer_s", "target_training_s", "generations_s", "draft_training_s"} <= set(
+        metrics["phases_s"])
+    assert metrics["settings"]["draft_recipe"]["sequences"] == 12
+    assert (tmp_path / "target" / "config.json").is_file() and (tmp_path / "draft" / "config.json").is_file()
 
 
 def test_training_loops_stop_at_the_wall_time_cap_and_say_so() -> None:

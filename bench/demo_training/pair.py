@@ -27,6 +27,7 @@ from bench.demo_training.export import (
 )
 from bench.demo_training.presets import Preset
 from bench.demo_training.record import finish, run_record
+from bench.demo_training.retrain import recipe_from_args, retrain_draft
 from bench.demo_training.target_training import make_target, train_target
 from bench.demo_training.tokenizer import EOS, encode_stream, train_tokenizer
 from pipespec.contract.layout import eagle3_default_aux_ids
@@ -62,6 +63,12 @@ def train_pair(args: argparse.Namespace, argv: Sequence[str] | None, preset_name
     phases["target_training_s"] = target_stats["seconds"]
     target_dir, draft_dir = out / "target", out / "draft"
     export_target(target, tokenizer, target_dir)
+    if p.draft_recipe is not None:  # EAGLE3's recipe proper: the draft learns from the target's own generations
+        del target
+        recipe = recipe_from_args(args, p.draft_recipe, skip=("batch_size",))  # --batch-size: the target's
+        trained = {"target": target_stats, "phases_s": phases}
+        return retrain_draft(argparse.Namespace(**{**vars(args), "retrain_draft": out}), argv, preset_name, p, log,
+                             recipe, trained)
 
     # Everything from here on uses the shipped (fp16-rounded) weights, reloaded from disk.
     configure_device(device)

@@ -41,10 +41,12 @@ _RECIPE_FLAGS = (("sequences", "gen_sequences"), ("steps", "draft_steps"), ("bat
                  ("aux_layers", "aux_layers"))
 
 
-def recipe_from_args(args: argparse.Namespace) -> GenerationRecipe:
-    """The recipe's defaults, overridden by the flags given."""
-    given = {field: getattr(args, flag) for field, flag in _RECIPE_FLAGS if getattr(args, flag) is not None}
-    return GenerationRecipe(**given)
+def recipe_from_args(args: argparse.Namespace, base: GenerationRecipe | None = None,
+                     skip: Sequence[str] = ()) -> GenerationRecipe:
+    """``base`` (default: the recipe's defaults), overridden by the flags given (but the ``skip`` ones)."""
+    given = {field: getattr(args, flag) for field, flag in _RECIPE_FLAGS
+             if flag not in skip and getattr(args, flag) is not None}
+    return replace(base or GenerationRecipe(), **given)
 
 
 @dataclass(frozen=True)
@@ -128,18 +130,20 @@ def check_aux_layers(aux_layers: tuple[int, ...] | None, target_dir: Path) -> No
                          "layer's output, before the final norm)")
 
 
-def retrain_draft(args: argparse.Namespace, argv: Sequence[str] | None, preset_name: str, p: Preset, log: Log) -> int:
+def retrain_draft(args: argparse.Namespace, argv: Sequence[str] | None, preset_name: str, p: Preset, log: Log,
+                  recipe: GenerationRecipe | None = None, trained: dict[str, Any] | None = None) -> int:
     """``--retrain-draft DIR``: keep DIR/target, train a new draft on its greedy generations (from scratch, or
-    from ``--init-draft``), on ``--device``."""
+    from ``--init-draft``), on ``--device``. ``recipe`` (default: from the flags) and ``trained`` (the target's
+    training record and phases, when the same command just trained it) come from the pair trainer."""
     from transformers import AutoTokenizer
 
-    recipe = recipe_from_args(args)
+    recipe = recipe or recipe_from_args(args, p.draft_recipe)
     source: Path = args.retrain_draft / "target"
     out: Path = args.out
     target_dir, draft_dir = out / "target", out / "draft"
     if target_dir.resolve() != source.resolve():
         shutil.copytree(source, target_dir, dirs_exist_ok=True)
-    phases: dict[str, float] = {}
+    phases: dict[str, float] = dict(trained["phases_s"]) if trained else {}
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     device = args.device
@@ -165,7 +169,8 @@ def retrain_draft(args: argparse.Namespace, argv: Sequence[str] | None, preset_n
         "recipe": {"kind": "EAGLE3 training-time test on the target's own greedy generations", **asdict(recipe),
                    "ttt_steps": p.ttt_steps, "target": str(source)},
         "corpus": corpus,
-        "target": {"parameters": sum(q.numel() for q in target.parameters()), "kept_from": str(source)},
+        "target": ({"parameters": sum(q.numel() for q in target.parameters()), **trained["target"]} if trained else
+                   {"parameters": sum(q.numel() for q in target.parameters()), "kept_from": str(source)}),
         "draft": {"parameters": draft_params, "aux_layers": list(data.aux_ids), "format": "B", "init": init,
                   "draft_vocab_coverage_of_generations": coverage, **draft_stats},
         "demo_prompts_evaluation": demo_eval,
