@@ -3,16 +3,25 @@
 Reproduces ``sdk/pipespec/demo/`` from nothing but the Python standard library's own source (every
 machine with Python has it), seeded::
 
+    python bench/train_demo.py --out /tmp/demo --device cuda      # the shipped pair, one command: the target,
+                                                                  # then its draft on 131072 of the target's
+                                                                  # greedy generations (~7 min on one H200)
     python bench/train_demo.py --out /tmp/demo --quick            # ~1-2 min on 2 CPU cores: smoke size
-    python bench/train_demo.py --out /tmp/demo --device cuda      # the shipped size (a few min on one GPU)
     python bench/train_demo.py --out /tmp/pair --device cuda --preset medium --max-train-s 200
                                                                   # a ~51M target for GPU speedup runs (~5 min on one H200)
-    python bench/train_demo.py --retrain-draft sdk/pipespec/demo --out /tmp/d4 --device cuda --threads 8 \
-        --gen-sequences 131072 --gen-batch 4096 --gen-prompt-len 12 --gen-new-tokens 148 --heldout-sequences 256 \
-        --draft-steps 8000 --batch-size 256 --draft-lr 2e-3 --eval-prompts 24 --max-train-s 250
-                                                                  # keep the demo target, train a new draft on
-                                                                  # the target's own greedy generations: the
-                                                                  # shipped draft (~6 min on one H200)
+    python bench/train_demo.py --retrain-draft sdk/pipespec/demo --out /tmp/d4 --device cuda --threads 8
+                                                                  # keep the demo target, train a new draft
+                                                                  # by the preset's recipe (flags override it)
+
+The shipped pair (``--preset demo``, the default; 2026-12-02, one H200, 416 s) has a 3.2M target over a
+320-token vocabulary, trained for 800 steps of 128, and a 0.48M draft; at k = 3 it accepts 3.43 tokens per
+step replayed on 256 held-out generations, 3.37 on 24 held-out prompts and 3.92 on the demo's prompts.
+The pair before it (``--preset full``: 1024 tokens, 6000 steps of 64, its draft by the same recipe at 8000 steps) reached 2.47,
+2.47 and 2.24, and no draft change moved it (aux ids, MLP width, draft vocabulary). A smaller vocabulary
+makes each token more predictable, and a target trained for fewer passes over the corpus (~4 against ~25)
+writes more regular text that a one-layer draft follows: 2400 steps of 128 at 320 tokens gave 3.06 /
+2.99 / 2.70. The price is the text: the shipped target repeats itself more ("a list of list of ...").
+docs/benchmarks.md, "Sixth pass", has the runs.
 
 ``--retrain-draft DIR`` is EAGLE3's recipe proper: the target (DIR/target, kept and copied to OUT) writes
 greedy continuations of prompts from the training files, its aux states over them are computed once,
@@ -33,11 +42,10 @@ now draws distinct prompts, generates ``--heldout-sequences`` continuations of h
 are never trained on, logs their replayed acceptance (the figure inference measures) beside the training
 batches' agreement, and keeps the draft of the logged step where it was best.
 
-The shipped draft (2026-12-01, one H200, the command above) replays 2.47 tokens per step on 256 held-out
-generations and measures 2.47 on the 24 held-out evaluation prompts (k = 3), up from 2.31 / 2.28 for the
-same command with a 512-token draft vocabulary (which covered 93.1% of the target's generated tokens) and
-an MLP of 416 at 5000 steps; the training agreement per TTT step stopped near 0.72–0.73 in both, which
-reads as the draft's capacity (0.6M parameters beside a 3.3M target), not the data.
+The previous draft (2026-12-01, one H200, ``--retrain-draft`` on the 1024-token target with 8000 steps)
+replayed 2.47 tokens per step on 256 held-out generations, up from 2.31 with a 512-token draft vocabulary
+(which covered 93.1% of the target's generated tokens) and an MLP of 416 at 5000 steps; the training
+agreement per TTT step stopped near 0.72-0.73 in both. With the 320-token target it reaches 0.90.
 
 The code lives in ``bench/demo_training/``, a module per step below (its ``__init__`` lists them); this
 file is the command.
@@ -48,10 +56,11 @@ Steps, each timed in ``metrics.json``:
    train and held-out files by a hash of the relative path, so the split does not depend on file order;
 2. tokenizer: byte-level BPE trained with ``tokenizers``, saved as a ``PreTrainedTokenizerFast``
    (``AutoTokenizer.from_pretrained(target_dir)`` loads it);
-3. target: ``LlamaForCausalLM`` (tied embedding; ≤ 4M parameters in the quick and full presets, 51M in
+3. target: ``LlamaForCausalLM`` (tied embedding; ≤ 4M parameters in the quick, demo and full presets, 51M in
    medium), next-token cross-entropy;
 4. draft: EAGLE3 (``pipespec.engine.draft``) on the frozen target's aux states at the default ids
-   ``(2, N//2, N-3)``, trained to match the target's next-next-token distribution over a pruned draft
+   ``(2, N//2, N-3)``; in the demo preset (and ``--retrain-draft``) on the target's own greedy generations
+   (``demo_training/retrain.py``), else (quick, full, medium) on corpus windows, trained to match the target's next-next-token distribution over a pruned draft
    vocabulary (the most frequent tokens, mapped back by ``d2t``), with ``--ttt-steps`` unrolled steps of
    test-time training: step i feeds the draft its own step i-1 output and attends to the verified
    positions plus its own earlier steps of the same chain — exactly what the draft's KV cache holds at
@@ -65,8 +74,8 @@ Steps, each timed in ``metrics.json``:
 The corpus is the stdlib of the Python that runs the script, so figures differ slightly between Python
 versions; ``metrics.json`` records the version, torch version, device, preset, and the command.
 
-Presets (``--preset``; ``--quick`` is ``--preset quick``): ``quick`` is a CPU smoke test, ``full`` the
-shipped demo (3.3M-parameter target), ``medium`` a target big enough that a GPU decode step is more than
+Presets (``--preset``; ``--quick`` is ``--preset quick``): ``quick`` is a CPU smoke test, ``demo`` the
+shipped pair (the default), ``full`` the 1024-token target shipped before it (3.3M parameters), ``medium`` a target big enough that a GPU decode step is more than
 kernel launches, for the speedup benchmark (``pipespec bench p3 --pair DIR``), meant for one H200 in bf16
 autocast. Medium's sizes and the estimate behind its step counts:
 
@@ -217,7 +226,7 @@ def _aux_ids(text: str) -> tuple[int, ...]:
 
 
 def preset_for(args: argparse.Namespace) -> tuple[str, Preset]:
-    """(name, sizes) of the run: ``--preset`` (or ``--quick``; default ``full``) with the flags that override it."""
+    """(name, sizes) of the run: ``--preset`` (or ``--quick``; default ``demo``) with the flags that override it."""
     name = args.preset or ("quick" if args.quick else "demo")
     overrides = {k: v for k, v in (("target_steps", args.target_steps), ("draft_steps", args.draft_steps),
                                    ("ttt_steps", args.ttt_steps), ("eval_prompts", args.eval_prompts),

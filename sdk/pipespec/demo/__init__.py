@@ -1,14 +1,17 @@
 """The trained demo pair shipped with pipespec: a small Llama target and its EAGLE3 draft.
 
-Both were trained by ``bench/train_demo.py`` on the Python standard library's own source (see
-``train.log`` and ``metrics.json`` beside this file for the command, machine, and figures):
+Both were trained by one command, ``python bench/train_demo.py --out DIR --device cuda`` (the ``demo``
+preset), on the Python standard library's own source (see ``train.log`` and ``metrics.json`` beside this
+file for the command, machine, and figures):
 
-* ``target/`` — an HF checkpoint (``LlamaForCausalLM``, 8 layers, H=192, 3.3M parameters, fp16,
-  tied embedding) with a byte-level BPE tokenizer (1024 tokens) that ``AutoTokenizer`` loads;
+* ``target/`` — an HF checkpoint (``LlamaForCausalLM``, 8 layers, H=192, 3.2M parameters, fp16,
+  tied embedding) with a byte-level BPE tokenizer (320 tokens) that ``AutoTokenizer`` loads; trained for
+  800 steps of 128 sequences of 256 tokens;
 * ``draft/`` — an EAGLE3 draft in Format B (speculators), aux ids ``(2, 4, 5)`` in the input-index
-  convention, the full 1024-token vocabulary (``d2t`` is the identity), no ``embed_tokens``
-  (it shares the target's); trained with ``bench/train_demo.py --retrain-draft`` on 131,072 of the
-  target's own greedy generations (EAGLE3's training-time test, 3 steps), 0.62M parameters, MLP 256.
+  convention, the full 320-token vocabulary (``d2t`` is the identity), no ``embed_tokens`` (it shares
+  the target's); trained on 131,072 of the target's own greedy generations (EAGLE3's training-time
+  test, 3 steps), 0.48M parameters, MLP 256. Acceptance at k = 3: 3.43 tokens per step replayed on 256
+  held-out generations, 3.37 on 24 held-out prompts, 3.92 on the demo's three prompts.
 
 Usage::
 
