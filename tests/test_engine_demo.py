@@ -16,7 +16,8 @@ pytestmark = pytest.mark.usefixtures("one_thread_per_stage")
 @pytest.mark.timeout(300)
 def test_constructed_demo_reaches_full_acceptance_and_parity(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cache = tmp_path / "cache"
-    args = ["demo", "--pair", "constructed", "--cache-dir", str(cache), "--max-new-tokens", "13", "--num-spec-tokens", "3"]
+    args = ["demo", "--pair", "constructed", "--cache-dir", str(cache), "--max-new-tokens", "13", "--num-spec-tokens", "3",
+            "--repeats", "1"]
     assert main([*args, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["pair"] == "constructed" and summary["pp"] == 2
@@ -37,8 +38,12 @@ def test_constructed_demo_reaches_full_acceptance_and_parity(tmp_path: Path, cap
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(shipped_pair() is None, reason="no trained demo pair shipped in pipespec/demo yet")
 def test_shipped_demo_pair_runs_with_parity(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--pair", "shipped", "--max-new-tokens", "16", "--json"]) == 0
+    assert main(["demo", "--pair", "shipped", "--max-new-tokens", "16", "--repeats", "2", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
+    # Tokens/s is the median of each mode's interleaved runs (of two: their mean).
+    assert summary["repeats"] == 2 and len(summary["tokens_per_s_repeats"]) == 2
+    assert summary["tokens_per_s"] == pytest.approx(sum(summary["tokens_per_s_repeats"]) / 2)
+    assert summary["plain_tokens_per_s"] == pytest.approx(sum(summary["plain_tokens_per_s_repeats"]) / 2)
     assert summary["parity_with_p1"] and summary["parity_with_plain_decoding"]
     assert all("text" in o for o in summary["outputs"])
     assert 1.0 <= summary["mean_acceptance_length"] <= 4.0
