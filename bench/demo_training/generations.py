@@ -6,6 +6,7 @@ Imports pipespec's engine helper for the aux states; nothing of vllm.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,20 +22,29 @@ def greedy_generations(target: Any, prompts: torch.Tensor, new_tokens: int, batc
     """The target's greedy continuations (KV-cached, no stop at EOS): ``[N, prompt + new_tokens]`` ids."""
     out: list[torch.Tensor] = []
     t0 = time.perf_counter()
+    # transformers 5.24 renamed the KV cache keyword (and output field) ``past_key_values`` -> ``cache``; the
+    # old name warns there and goes in 5.40, and releases before 5.24 know only the old one.
+    kwarg = "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
     for lo in range(0, prompts.shape[0], batch):
         seq = prompts[lo : lo + batch]
         step = target(input_ids=seq, use_cache=True)
-        past, pieces = step.past_key_values, [seq]
+        past, pieces = _cache_of(step), [seq]
         nxt = step.logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(new_tokens - 1):
             pieces.append(nxt)
-            step = target(input_ids=nxt, past_key_values=past, use_cache=True)
-            past, nxt = step.past_key_values, step.logits[:, -1].argmax(-1, keepdim=True)
+            step = target(input_ids=nxt, use_cache=True, **{kwarg: past})
+            past, nxt = _cache_of(step), step.logits[:, -1].argmax(-1, keepdim=True)
         pieces.append(nxt)
         out.append(torch.cat(pieces, dim=1))
         if lo == 0 or (lo // batch) % 8 == 7:
             log(f"generations: {lo + seq.shape[0]}/{prompts.shape[0]} sequences  {time.perf_counter() - t0:6.1f}s")
     return torch.cat(out)
+
+
+def _cache_of(output: Any) -> Any:
+    """The KV cache a forward returned, under either release's field name."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
 
 
 @torch.no_grad()
