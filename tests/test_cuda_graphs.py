@@ -161,9 +161,10 @@ def _generate(capsys: pytest.CaptureFixture[str], graphs: str, prompts: Path, pp
 def test_generate_with_graphs_gives_the_tokens_of_eager_decoding(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """Four prompts of different lengths in two micro-batches at P = 2; rows finish at different rounds."""
     rng = random.Random(0)
+    vocab = json.loads((shipped_pair()[0] / "config.json").read_text())["vocab_size"]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(
-        json.dumps({"prompt_ids": [rng.randrange(1, 900) for _ in range(n)], "max_new_tokens": m}) + "\n"
+        json.dumps({"prompt_ids": [rng.randrange(1, vocab) for _ in range(n)], "max_new_tokens": m}) + "\n"
         for n, m in [(5, 40), (17, 23), (9, 40), (30, 31)]
     ))
     eager = _generate(capsys, "off", prompts, 2)

@@ -20,7 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from pipespec.engine.draft import DraftKVCache, Eagle3Draft
+from pipespec.engine.draft import DraftKVCache, DraftStorage, Eagle3Draft
+from pipespec.engine.draft.counts import Counts
 from pipespec.engine.draft.rotary import apply_rotary as _apply_rotary
 from pipespec.engine.draft.rotary import rotary_factors
 from pipespec.engine.tiny_checkpoints import make_random_draft
@@ -29,11 +30,11 @@ ATOL = 2e-5
 AUX = 32  # target hidden size; the draft's fc reads 3 x AUX features
 
 
-def _draft(seed: int = 0, **layer: Any) -> Eagle3Draft:
+def _draft(seed: int = 0, heads: int = 4, kv_heads: int = 2, **layer: Any) -> Eagle3Draft:
     target = LlamaConfig(hidden_size=AUX, vocab_size=80, num_hidden_layers=6, rms_norm_eps=1e-5)
     return make_random_draft(
-        target, num_aux=3, with_embedding=True, num_attention_heads=4, num_key_value_heads=2, draft_vocab_size=50,
-        seed=seed, max_position_embeddings=64, **layer,
+        target, num_aux=3, with_embedding=True, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        draft_vocab_size=50, seed=seed, max_position_embeddings=64, **layer,
     ).eval()
 
 
@@ -168,6 +169,64 @@ def test_extend_rows_with_nothing_new_keep_their_cache() -> None:
     before = (cache.lengths.tolist(), cache.max_length)
     draft.extend(feats[:, :0].expand(3, -1, -1), ids[:, :0].expand(3, -1), cache)
     assert (cache.lengths.tolist(), cache.max_length) == before
+
+
+def _first_pass(
+    draft: Eagle3Draft, feats: torch.Tensor, ids: torch.Tensor, cache: DraftKVCache, counts: list[int] | None,
+    *, on_device: bool, full_layer: bool,
+) -> None:
+    """One extend round: ``extend``'s key/value-only pass, or (``full_layer``) the reference, the whole layer
+    over the new positions as ``propose``'s first pass runs it, output dropped. ``on_device``: the counts
+    as ``Counts`` holding a tensor only (what a CUDA tensor gives; a CPU tensor would be read as host ints)."""
+    with torch.no_grad():
+        hidden, parsed, f = draft._verified(feats, ids, cache, None if on_device else counts, minimum=0,
+                                            want_last=False)
+        if on_device and counts is not None:
+            parsed = Counts(torch.tensor(counts), None, None)
+        if full_layer:
+            draft._pass(f, ids, hidden, cache, parsed, None)
+        elif on_device:
+            draft._append(f, ids, hidden, cache, parsed)
+        else:
+            draft.extend(feats, ids, cache, num_valid=counts)
+
+
+@pytest.mark.parametrize("adopted", [False, True])
+@pytest.mark.parametrize("counts_mode", ["full", "host", "device"])
+@pytest.mark.parametrize("steps", [1, 4])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 4), (8, 2)])
+def test_extend_leaves_the_cache_a_full_layer_pass_leaves(
+    heads: int, kv_heads: int, steps: int, counts_mode: str, adopted: bool
+) -> None:
+    """extend runs only the key/value side; rounds of extend and propose (ragged, full, counted on the
+    device; GQA groups 1, 2 and 4; masked and unmasked spans; plain and adopted caches) against the same rounds
+    with the whole layer run for extend: identical drafts and bit-identical keys, values and lengths."""
+    draft = _draft(seed=30 + heads + kv_heads, heads=heads, kv_heads=kv_heads)
+    bsz = 3
+    caches = []
+    for _ in range(2):
+        cache = draft.new_cache(bsz, capacity=8)  # small: plain caches grow along the way
+        if adopted:
+            layer = draft.midlayer
+            cache = DraftStorage(bsz, layer.num_kv_heads, layer.head_dim, capacity=64).adopt(cache)
+        caches.append(cache)
+    gen = torch.Generator().manual_seed(steps)
+    for round_ in range(4):
+        ids = torch.randint(0, 80, (bsz, steps), generator=gen)
+        feats = torch.randn(bsz, steps, 3 * AUX, generator=gen)
+        counts = None if counts_mode == "full" else [(round_ + b) % (steps + 1) for b in range(bsz)]
+        for cache, full_layer in zip(caches, (False, True), strict=True):
+            _first_pass(draft, feats, ids, cache, counts, on_device=counts_mode == "device", full_layer=full_layer)
+        ids = torch.randint(0, 80, (bsz, steps), generator=gen)
+        feats = torch.randn(bsz, steps, 3 * AUX, generator=gen)
+        valid = None if counts_mode == "full" else [1 + (round_ + 2 * b) % steps for b in range(bsz)]
+        got, want = (draft.propose(feats, ids, cache, num_tokens=3, num_valid=valid) for cache in caches)
+        assert torch.equal(got, want), (round_, got, want)
+        mine, ref = caches
+        assert torch.equal(mine.lengths, ref.lengths), (round_, mine.lengths, ref.lengths)
+        assert (mine.host_lengths, mine.max_length) == (ref.host_lengths, ref.max_length)
+        assert (counts_mode == "device") == (mine.host_lengths is None)
+        assert torch.equal(mine.key, ref.key) and torch.equal(mine.value, ref.value), round_
 
 
 # ------------------------------------------------------------------------------------------ batched vs single

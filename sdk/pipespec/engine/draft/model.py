@@ -28,7 +28,8 @@ class Eagle3Draft(DraftRotary, FusedWeights, nn.Module):
     (``B·T`` of them): one q/k/v matmul, one gate/up matmul, residual adds inside ``addmm``, one
     ``rms_norm`` op per norm, rotary factors gathered from a per-position table, cache writes with one
     ``index_put_`` each, and grouped-query attention with the query heads of a key/value head as extra
-    query rows (no expanded key/value copies). The per-module helpers (``Eagle3DraftLayer.qkv``,
+    query rows (no expanded key/value copies). ``extend``, whose outputs nobody reads, runs only the key/value
+    side (``_project``, cache writes). The per-module helpers (``Eagle3DraftLayer.qkv``,
     ``finish``, ``attend``, ``rotary``, ``logits``) compute the same layer the plain way; training code
     (``bench/train_demo.py``) uses them.
     """
@@ -147,11 +148,64 @@ class Eagle3Draft(DraftRotary, FusedWeights, nn.Module):
         host = cache._host
         # One key span serves every row unmasked only when all rows are known to hold the same length.
         masked = steps > 1 or host is None or any(n != host[0] for n in host)
-        lengths = cache.lengths
-        positions = lengths if steps == 1 else lengths.unsqueeze(1) + cache.slot_ids(steps)
+        positions = self._new_positions(cache, steps)
         out = self._layer(f, ids, hidden, bsz, steps, positions, cache, cache.max_length + steps, masked, cache.capacity)
         cache._advance(steps, counts)
         return out
+
+    def _append(
+        self, f: Fused, input_ids: torch.Tensor, hidden: torch.Tensor, cache: DraftKVCache, counts: Counts | None
+    ) -> None:
+        """``_pass`` with a cache when its outputs are not wanted (``extend``): only the key/value side runs.
+
+        The keys/values of all ``B·T`` rows come from ``_project`` exactly as in ``_pass`` (same ops on the
+        same rows, so the cache ends bit-for-bit the same) and are stored and counted likewise; the query
+        side (attention, ``o_proj``, MLP), whose outputs only ``propose`` reads, is skipped.
+        """
+        bsz, steps = input_ids.shape
+        cache.reserve(steps)
+        positions = self._new_positions(cache, steps)
+        _, _, k, v = self._project(f, input_ids.reshape(-1), hidden, positions, cache.capacity)
+        self._store(cache, k, v, bsz, steps, positions)
+        cache._advance(steps, counts)
+
+    @staticmethod
+    def _new_positions(cache: DraftKVCache, steps: int) -> torch.Tensor:
+        """Positions (= slots) of ``steps`` new entries per row: ``lengths [B]`` when ``T == 1``, else ``[B, T]``."""
+        lengths = cache.lengths
+        return lengths if steps == 1 else lengths.unsqueeze(1) + cache.slot_ids(steps)
+
+    def _project(
+        self, f: Fused, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, table_size: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's input side over ``N`` rows, row by row: (residual ``[N, H]``, rotated queries
+        ``[N, heads, d]``, rotated keys ``[N, kv_heads, d]``, values ``[N, kv_heads, d]``).
+
+        The input norms, one q/k/v matmul and the rotary factors of ``positions`` (see ``_layer``).
+        """
+        heads, kv_heads, head_dim = f.heads, f.kv_heads, f.head_dim
+        shape = (hidden.shape[-1],)
+        normed = F.rms_norm(hidden, shape, *f.hidden_norm)
+        x = torch.cat((F.rms_norm(self._embed_rows(ids, hidden.dtype), shape, *f.input_norm), normed), dim=-1)
+        residual = normed if f.norm_before_residual else hidden
+        projected = F.linear(x, f.qkv, f.qkv_bias).view(-1, heads + 2 * kv_heads, head_dim)
+        cos, signed_sin = self._rope_factors(hidden, positions, table_size)
+        # Rotated over all heads of the contiguous projection (CUDA's roll copies a strided input first);
+        # the value heads' rotation is dropped.
+        rotated = torch.addcmul(projected * cos, projected.roll(head_dim // 2, -1), signed_sin)
+        q, k, _ = rotated.split((heads, kv_heads, kv_heads), dim=1)
+        return residual, q, k, projected[:, heads + kv_heads :]
+
+    @staticmethod
+    def _store(
+        cache: DraftKVCache, k: torch.Tensor, v: torch.Tensor, bsz: int, steps: int, positions: torch.Tensor
+    ) -> None:
+        """Write ``_project``'s keys/values ``[B·T, kv_heads, d]`` at slots ``positions`` (lengths untouched)."""
+        if steps == 1:
+            cache._put(k, v, positions)
+        else:
+            kv_heads, head_dim = k.shape[1], k.shape[2]
+            cache._put(k.view(bsz, steps, kv_heads, head_dim), v.view(bsz, steps, kv_heads, head_dim), positions)
 
     def _layer(
         self,
@@ -173,20 +227,16 @@ class Eagle3Draft(DraftRotary, FusedWeights, nn.Module):
         when ``masked`` (without a mask every row must see exactly that span); without a cache the block
         attends to itself, causally by position. ``table_size`` bounds the positions for the rotary table
         (None: compute the factors directly).
+
+        The key/value side is ``_project`` (+ ``_store``); the query side (attention over the span, ``o_proj``
+        with the residual, post-norm, MLP) runs for all ``N`` rows. It is not narrowed to the rows a caller
+        reads (``propose`` reads one per row): on CPU, MKL's float32 matmuls and SDPA round a row
+        differently when given fewer rows, so the drafts' hidden states would no longer be bit-identical.
         """
         heads, kv_heads, head_dim = f.heads, f.kv_heads, f.head_dim
         groups = heads // kv_heads
         shape = (hidden.shape[-1],)
-        normed = F.rms_norm(hidden, shape, *f.hidden_norm)
-        x = torch.cat((F.rms_norm(self._embed_rows(ids, hidden.dtype), shape, *f.input_norm), normed), dim=-1)
-        residual = normed if f.norm_before_residual else hidden
-        projected = F.linear(x, f.qkv, f.qkv_bias).view(-1, heads + 2 * kv_heads, head_dim)
-        cos, signed_sin = self._rope_factors(hidden, positions, table_size)
-        # Rotated over all heads of the contiguous projection (CUDA's roll copies a strided input first);
-        # the value heads' rotation is dropped.
-        rotated = torch.addcmul(projected * cos, projected.roll(head_dim // 2, -1), signed_sin)
-        q, k, _ = rotated.split((heads, kv_heads, kv_heads), dim=1)
-        v = projected[:, heads + kv_heads :]
+        residual, q, k, v = self._project(f, ids, hidden, positions, table_size)
 
         # Grouped-query attention without expanding keys/values: the query heads sharing a key/value head
         # are rows of that head's query block, ordered (group, step); the mask is repeated to match.
@@ -199,10 +249,7 @@ class Eagle3Draft(DraftRotary, FusedWeights, nn.Module):
             by_row = positions.repeat(1, groups) if groups > 1 else positions
             query_pos = by_row.reshape(bsz, 1, groups * steps, 1) if masked else None
         if cache is not None:
-            if steps == 1:
-                cache._put(k, v, positions)
-            else:
-                cache._put(k.view(bsz, steps, kv_heads, head_dim), v.view(bsz, steps, kv_heads, head_dim), positions)
+            self._store(cache, k, v, bsz, steps, positions)
             keys, values = cache.key.narrow(2, 0, span), cache.value.narrow(2, 0, span)
             mask = None if query_pos is None else cache.slot_ids(span) <= query_pos
         else:
@@ -226,7 +273,7 @@ class Eagle3Draft(DraftRotary, FusedWeights, nn.Module):
         return f.target_ids.take(F.linear(normed, f.lm_head).argmax(dim=-1))
 
     # ----------------------------------------------------------------------------- the engine's calls
-    def _extend(
+    def _verified(
         self,
         aux: Sequence[torch.Tensor] | torch.Tensor,
         next_ids: torch.Tensor,
@@ -236,7 +283,10 @@ class Eagle3Draft(DraftRotary, FusedWeights, nn.Module):
         minimum: int,
         want_last: bool,
     ) -> tuple[torch.Tensor, Counts | None, Fused]:
-        """The first pass over verified positions: (pre-norm outputs ``[B·T, H]``, the parsed counts, weights)."""
+        """The first pass's inputs over verified positions: (fc features ``[B·T, H]``, the parsed counts, weights).
+
+        ``propose`` runs the whole layer over them (``_pass``), ``extend`` its key/value side (``_append``).
+        """
         if next_ids.dim() != 2 or next_ids.shape[0] != cache.batch_size:
             raise ValueError(f"next_ids has shape {tuple(next_ids.shape)}, expected (batch={cache.batch_size}, T)")
         features = self._aux_features(aux)
@@ -248,8 +298,7 @@ class Eagle3Draft(DraftRotary, FusedWeights, nn.Module):
         bsz, steps = next_ids.shape
         counts = valid_counts(num_valid, bsz, steps, cache.device, minimum=minimum, want_last=want_last)
         f = self._fused()
-        hidden = F.linear(features.reshape(bsz * steps, -1), f.fc)
-        return self._pass(f, next_ids, hidden, cache, counts, None), counts, f
+        return F.linear(features.reshape(bsz * steps, -1), f.fc), counts, f
 
     @torch.no_grad()
     def extend(
@@ -262,11 +311,13 @@ class Eagle3Draft(DraftRotary, FusedWeights, nn.Module):
         """Append target-verified positions to the cache without drafting (a round with no speculation).
 
         Same inputs as ``propose``; ``num_valid`` entries may be 0 (a row with nothing new this round keeps
-        its cache as it was). Afterwards drafting resumes with full context.
+        its cache as it was). Afterwards drafting resumes with full context. Only the new positions' keys and
+        values are computed (``_append``); the cache ends bit-for-bit as a pass of the whole layer leaves it.
         """
         if next_ids.dim() == 2 and next_ids.shape[1] == 0:
             return
-        self._extend(aux, next_ids, cache, num_valid, minimum=0, want_last=False)
+        hidden, counts, f = self._verified(aux, next_ids, cache, num_valid, minimum=0, want_last=False)
+        self._append(f, next_ids, hidden, cache, counts)
 
     @torch.no_grad()
     def propose(
@@ -289,7 +340,9 @@ class Eagle3Draft(DraftRotary, FusedWeights, nn.Module):
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         if next_ids.dim() == 2 and next_ids.shape[1] == 0:
             raise ValueError("propose needs at least one new verified position (next_ids has T = 0); use extend")
-        out, counts, f = self._extend(aux, next_ids, cache, num_valid, minimum=1, want_last=True)
+        hidden, counts, f = self._verified(aux, next_ids, cache, num_valid, minimum=1, want_last=True)
+        # The whole layer over all B·T verified positions (see _layer for why not just the rows read below).
+        out = self._pass(f, next_ids, hidden, cache, counts, None)
         bsz, steps = next_ids.shape
         if steps == 1:
             last = out
