@@ -35,6 +35,7 @@ from pipespec.codemods.vllm_native_shape import (
     ClassLookup,
     Decline,
     ForwardPlan,
+    bound_names,
     forward_plan,
     methods,
     plan_loop,
@@ -64,7 +65,7 @@ class Branches:
         """The residual argument of the first-rank capture: the name sent on where the prefix binds it
         and no branch's layers rebind it before reading it, else ``None``."""
         plan = self.plans[0]
-        bound = plan.residual is not None and any(plan.residual in _bound(s) for s in self.prefix)
+        bound = plan.residual is not None and any(plan.residual in bound_names(s) for s in self.prefix)
         stale = any(p.stale_residual for p in self.plans if not p.own_capture)
         return plan.residual if bound and not stale and plan.residual is not None else "None"
 
@@ -120,8 +121,8 @@ def settle(branches: Branches, paths: Sequence[tuple[cst.For, list[cst.BaseState
         at = next(i for i, s in enumerate(path) if s is loop)
         watched = {plan.hidden} | ({plan.residual} if plan.residual and not plan.own_capture else set())
         for stmt in path[len(branches.prefix):at]:
-            if _bound(stmt) & watched:
-                raise Decline(f"`{code_of(stmt)}` rebinds `{'/'.join(sorted(_bound(stmt) & watched))}` between the "
+            if bound_names(stmt) & watched:
+                raise Decline(f"`{code_of(stmt)}` rebinds `{'/'.join(sorted(bound_names(stmt) & watched))}` between the "
                               "branch's start and its layer loop: the id start_layer capture, shared by the branches, "
                               "would not be the stream that loop starts from", stmt)
     return branches
@@ -180,13 +181,6 @@ def _paths(fn: cst.FunctionDef, running: list[cst.For]) -> list[tuple[cst.For, l
 def _ends_in_return(block: Sequence[cst.BaseStatement]) -> bool:
     last = block[-1] if block else None
     return isinstance(last, cst.SimpleStatementLine) and any(isinstance(s, (cst.Return, cst.Raise)) for s in last.body)
-
-
-def _bound(stmt: cst.CSTNode) -> set[str]:
-    out: set[str] = set()
-    for t in m.findall(stmt, m.AssignTarget() | m.AnnAssign() | m.AugAssign()):
-        out |= {n.value for n in m.findall(t.target, m.Name())}  # type: ignore[attr-defined]
-    return out
 
 
 __all__ = ["Branches", "forward_plans", "with_plans"]

@@ -120,7 +120,7 @@ def plan_loop(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStateme
     for ret in last:
         _check_return_placement(fn, ret)
     before = body[: next(i for i, s in enumerate(body) if s is loop)]
-    bound = residual is not None and any(residual in _bound_names(s) for s in before)
+    bound = residual is not None and any(residual in bound_names(s) for s in before)
     rank_check = bool(m.findall(fn, RANK))
     aux_name = "aux_hidden_states" if "aux_hidden_states" in aux or "aux_hidden_states" not in used else fresh("aux_hidden_states", used)
     if own:
@@ -224,9 +224,11 @@ def _fast_prefill_returns(cls: cst.ClassDef, body: Sequence[cst.BaseStatement], 
 
 
 
-def _bound_names(stmt: cst.CSTNode) -> set[str]:
+def bound_names(stmt: cst.CSTNode) -> set[str]:
+    """The names ``stmt`` (re)binds: plain, annotated and augmented assignments (``x += y`` changes ``x``
+    as much as ``x = x + y``; missing it once let a stream changed after the layer loop through)."""
     out: set[str] = set()
-    for t in m.findall(stmt, m.AssignTarget() | m.AnnAssign()):
+    for t in m.findall(stmt, m.AssignTarget() | m.AnnAssign() | m.AugAssign()):
         target = t.target  # type: ignore[attr-defined]
         out |= {n.value for n in m.findall(target, m.Name())}
     return out
@@ -295,12 +297,12 @@ def _check_after_loop(fn: cst.FunctionDef, body: list[cst.BaseStatement], loop: 
         if any(r is x for r in nonlast for x in m.findall(stmt, m.Return())):
             inner = stmt.body.body if isinstance(stmt, cst.If) and isinstance(stmt.body, cst.IndentedBlock) else ()
             for s in inner:
-                if _bound_names(s) & stream:
-                    raise Decline(f"`{code_of(s)}` changes `{'/'.join(sorted(_bound_names(s) & stream))}` after the "
+                if bound_names(s) & stream:
+                    raise Decline(f"`{code_of(s)}` changes `{'/'.join(sorted(bound_names(s) & stream))}` after the "
                                   "layer loop, before the non-last-rank return: the stream sent on is not the last "
                                   "layer's output", s)
             return
-        if _bound_names(stmt) & stream:
+        if bound_names(stmt) & stream:
             raise Decline(f"`{code_of(stmt)}` changes the stream after the layer loop, before the non-last-rank return", stmt)
 
 
@@ -368,6 +370,6 @@ def _loop_jumps(loop: cst.For) -> list[cst.CSTNode]:
 
 
 __all__ = ["CAPTURE_CALLS", "FLAG", "RANK", "STAGE_LAYERS", "STAGE_LOOP_ITER", "ClassLookup", "Decline", "ForwardPlan",
-           "Loop", "code_of", "code_of_lines", "forward_plan", "is_pp_decoder", "is_sequence_parallel_epilogue",
+           "Loop", "bound_names", "code_of", "code_of_lines", "forward_plan", "is_pp_decoder", "is_sequence_parallel_epilogue",
            "methods", "own_flag", "params_of", "plan_loop", "residual_read", "running_loops", "sent_stream",
            "stage_loops"]

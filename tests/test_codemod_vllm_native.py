@@ -1071,3 +1071,16 @@ def test_installed_deepseek_v41_nvidia_keeps_its_helpers_and_hands_its_list_on()
     assert code.count("aux_hidden_states = remote_aux + aux_hidden_states\n") == 1
     again = adapt_vllm_module(code, label=rel)
     assert again.code == code and [d.status for d in again.decoders] == ["unchanged"]
+
+
+@pytest.mark.parametrize("change", ["hidden_states = hidden_states * 2", "hidden_states += residual",
+                                    "hidden_states: torch.Tensor = hidden_states.contiguous()"])
+def test_a_stream_changed_between_the_loop_and_the_hand_off_is_declined(change: str) -> None:
+    """Plain, augmented and annotated assignments alike: the next stage would receive something other than
+    the last layer's output, which the capture recorded."""
+    loop = "            for layer in islice(self.layers, self.start_layer, self.end_layer):\n" \
+           "                hidden_states, residual = layer(positions, hidden_states, residual)\n" \
+           f"            {change}\n"
+    (outcome,) = adapt(HEAD + loop + TAIL).decoders
+    assert outcome.status == "declined", outcome
+    assert "changes the stream after the layer loop, before the non-last-rank return" in outcome.reason
