@@ -6,7 +6,6 @@ Imports pipespec's engine helper for the aux states; nothing of vllm.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 
 from pipespec.engine.reference import target_aux_states
+from pipespec.integrations.transformers.adapt import cache_kwarg_name, returned_cache
 
 
 @torch.no_grad()
@@ -24,27 +24,21 @@ def greedy_generations(target: Any, prompts: torch.Tensor, new_tokens: int, batc
     t0 = time.perf_counter()
     # transformers 5.24 renamed the KV cache keyword (and output field) ``past_key_values`` -> ``cache``; the
     # old name warns there and goes in 5.40, and releases before 5.24 know only the old one.
-    kwarg = "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
+    kwarg = cache_kwarg_name(type(target))
     for lo in range(0, prompts.shape[0], batch):
         seq = prompts[lo : lo + batch]
         step = target(input_ids=seq, use_cache=True)
-        past, pieces = _cache_of(step), [seq]
+        past, pieces = returned_cache(step), [seq]
         nxt = step.logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(new_tokens - 1):
             pieces.append(nxt)
             step = target(input_ids=nxt, use_cache=True, **{kwarg: past})
-            past, nxt = _cache_of(step), step.logits[:, -1].argmax(-1, keepdim=True)
+            past, nxt = returned_cache(step), step.logits[:, -1].argmax(-1, keepdim=True)
         pieces.append(nxt)
         out.append(torch.cat(pieces, dim=1))
         if lo == 0 or (lo // batch) % 8 == 7:
             log(f"generations: {lo + seq.shape[0]}/{prompts.shape[0]} sequences  {time.perf_counter() - t0:6.1f}s")
     return torch.cat(out)
-
-
-def _cache_of(output: Any) -> Any:
-    """The KV cache a forward returned, under either release's field name."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
 
 
 @torch.no_grad()

@@ -169,8 +169,8 @@ def retrain_draft(args: argparse.Namespace, argv: Sequence[str] | None, preset_n
         "recipe": {"kind": "EAGLE3 training-time test on the target's own greedy generations", **asdict(recipe),
                    "ttt_steps": p.ttt_steps, "target": str(source)},
         "corpus": corpus,
-        "target": ({"parameters": sum(q.numel() for q in target.parameters()), **trained["target"]} if trained else
-                   {"parameters": sum(q.numel() for q in target.parameters()), "kept_from": str(source)}),
+        "target": {"parameters": sum(q.numel() for q in target.parameters()),
+                   **(trained["target"] if trained else {"kept_from": str(source)})},
         "draft": {"parameters": draft_params, "aux_layers": list(data.aux_ids), "format": "B", "init": init,
                   "draft_vocab_coverage_of_generations": coverage, **draft_stats},
         "demo_prompts_evaluation": demo_eval,

@@ -51,7 +51,7 @@ from pipespec.contract.verify import MARKER
 from pipespec.errors import UnsupportedModelError
 from pipespec.integrations.transformers.infer import class_source, forward_owner, infer_spec
 
-__all__ = ["adapt", "cache_kwarg_name", "spec_for_class"]
+__all__ = ["adapt", "cache_kwarg_name", "returned_cache", "spec_for_class"]
 
 _CACHE: dict[tuple[type, AdapterSpec], type] = {}
 _LOCK = threading.Lock()
@@ -76,6 +76,12 @@ def cache_kwarg_name(cls: type) -> str:
         if name in params:
             return name
     raise UnsupportedModelError(f"`{cls.__name__}.forward` takes no cache argument (neither `cache` nor `past_key_values`)")
+
+
+def returned_cache(output: Any) -> Any:
+    """The KV cache a forward returned: ``output.cache`` (5.24) or ``output.past_key_values``; None when neither."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
 def adapt(cls: type, spec: AdapterSpec | None = None) -> type:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pipespec.integrations.transformers.adapt import returned_cache
 from pipespec.integrations.transformers.zoo.sizes import VOCAB
 from pipespec.integrations.transformers.zoo.tiny import TinyModel
 
@@ -159,8 +160,8 @@ def run_reference(
     if last is None:
         raise RuntimeError(f"reference forward returned {type(out).__name__} without a last hidden state")
     hs = getattr(out, "hidden_states", None)
-    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-    return Reference(last_hidden_state=last.detach(), aux=captured, hf_hidden_states=tuple(hs) if hs else None, cache=cache)
+    return Reference(last_hidden_state=last.detach(), aux=captured, hf_hidden_states=tuple(hs) if hs else None,
+                     cache=returned_cache(out))
 
 
 def reference_decode(
