@@ -249,6 +249,14 @@ def measure(runs: Sequence[tuple[int, int, str]], new_tokens: int, repeats: int,
 POLICY_GOAL = 0.97  # issue 16: adaptive >= 0.97 x the better fixed choice
 
 
+def _paired(adaptive: Sequence[float], always: Sequence[float], plain: Sequence[float]) -> float | None:
+    """The median over repeats of adaptive ÷ max(always, plain) within one repeat (the three runs next to
+    each other in time, so a drift of the machine between repeats cancels); None when a run was skipped."""
+    if not len(adaptive) == len(always) == len(plain) or not adaptive:
+        return None
+    return statistics.median(a / max(s, p) for a, s, p in zip(adaptive, always, plain))
+
+
 def policy_results(rates: dict[tuple[int, int, str], list[float]], traces: dict[int, list[dict[str, Any]]],
                    measured: dict[int, dict[tuple[int, str], dict[str, Any]]], repeats: int, new_tokens: int, what: str,
                    dev: str, command: str, pp: int) -> list[Result]:
@@ -262,6 +270,7 @@ def policy_results(rates: dict[tuple[int, int, str], list[float]], traces: dict[
         adaptive, always, plain = (statistics.median(rates[key]) for key in keys)
         best = max(always, plain)
         ratio = adaptive / best
+        paired = _paired(*(rates[key] for key in keys))
         runs = traces.get(c, [])
         spec_rounds = [t["spec_rounds"] for t in runs]
         plain_rounds = [t["plain_rounds"] for t in runs]
@@ -273,7 +282,8 @@ def policy_results(rates: dict[tuple[int, int, str], list[float]], traces: dict[
             dev, command,
             detail=(f"adaptive {adaptive:.1f} / max(always {always:.1f}, plain {plain:.1f}) tokens/s, k=3, PP={pp} "
                     f"(medians of {repeats} interleaved: adaptive {_fmt(rates[keys[0]])}, always {_fmt(rates[keys[1]])}, "
-                    f"plain {_fmt(rates[keys[2]])}); adaptive rounds speculative {spec_rounds} / plain {plain_rounds}, "
+                    f"plain {_fmt(rates[keys[2]])}; paired, the median of each repeat's adaptive ÷ its better fixed "
+                    f"run: {'n/a' if paired is None else f'{paired:.3f}'}); adaptive rounds speculative {spec_rounds} / plain {plain_rounds}, "
                     f"switches {[t['switches'] for t in runs]}, load changes {[t.get('load_changes', 0) for t in runs]} "
                     f"(settled by drafting's acceptance, no plain round: {[t.get('load_checks', 0) for t in runs]}), "
                     f"decisions: {'; '.join(reasons) or 'none'}; "

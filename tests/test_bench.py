@@ -123,6 +123,8 @@ def test_p3_quick_runs_on_the_given_pair_and_records_it(tmp_path: Path) -> None:
         row = by_id[f"P3.policy.c{c}"]
         assert row["value"] == pytest.approx(rates[c, 3, "adaptive"] / max(rates[c, 3, "always"], rates[c, 0, "always"]))
         assert row["goal"] == ">= 0.97" and "adaptive rounds speculative" in row["detail"]
+        # One repeat: the paired figure (each repeat's own ratio, then the median) is the same ratio.
+        assert f"its better fixed run: {row['value']:.3f})" in row["detail"], row["detail"]
         trace = next(r["generate"]["policy_trace"] for r in runs if (r["c"], r["spec_policy"]) == (c, "adaptive"))
         assert trace["spec_rounds"] + trace["plain_rounds"] == len(trace["rounds"]) > 0
         assert trace["load_checks"] <= trace["load_changes"] and f"load changes [{trace['load_changes']}]" in row["detail"]
