@@ -354,3 +354,12 @@ def test_p3_runs_rotate_their_order_every_repeat() -> None:
         per_repeat = [[r for r in order[i * 6:(i + 1) * 6] if r[0] == c] for i in range(3)]
         positions = {run: sorted(rep.index(run) for rep in per_repeat) for run in runs if run[0] == c}
         assert all(p == [0, 1, 2] for p in positions.values()), positions
+    # Over 6 repeats each variant also follows each other variant of its c equally often (within a repeat).
+    order = interleaved(runs, 6)
+    for c in (1, 8):
+        per_repeat = [[r for r in order[i * 6:(i + 1) * 6] if r[0] == c] for i in range(6)]
+        follows: dict[tuple[tuple[int, int, str], tuple[int, int, str]], int] = {}
+        for rep in per_repeat:
+            for before, after in zip(rep, rep[1:]):
+                follows[before, after] = follows.get((before, after), 0) + 1
+        assert len(follows) == 6 and len(set(follows.values())) == 1, follows

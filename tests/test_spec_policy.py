@@ -734,3 +734,51 @@ def test_a_plain_block_that_might_win_is_measured_whole() -> None:
     modes, _ = replay(policy, {True: spec, False: plain}, 40, in_flight=1)
     first_plain = modes.index(False)
     assert modes[first_plain:first_plain + 1 + policy.window] == [False] * (1 + policy.window)
+
+
+def fixed_batch(policy: SpecPolicy, need: int, queued: int) -> list[bool]:
+    """8 rows that all need ``need`` tokens, one round in flight; drafting commits 3 tokens per row in 10 ms
+    (4 of them the draft's), plain decoding 1 in 6 ms (1.8x slower, so the first cycle measures it):
+    the mode of every round. ``queued``: the requests the engine says wait for a slot."""
+    left = [need] * 8
+    now, modes, mode = 0.0, [], True
+    while any(left):
+        per_row = []
+        for i, n in enumerate(left):
+            if n:
+                take = min(n, 3 if mode else 1)
+                left[i] -= take
+                per_row.append((i, take, left[i]))
+        now += 0.010 if mode else 0.006
+        modes.append(mode)
+        policy.record(mode, sum(t for _, t, _ in per_row), now, rows=len(per_row), draft_seconds=0.004 if mode else 0.0,
+                      load=sum(1 for n in left if n), per_row=per_row, queued=queued)
+        mode = policy.speculate()
+    return modes
+
+
+def test_no_probe_near_the_end_of_a_fixed_batch() -> None:
+    """Drafting wins by 1.8x. With no request waiting, a periodic re-measure that the batch would end
+    before its next exploit period could pay for is skipped: the plain rounds are the first cycle's only.
+    With requests waiting (the batch's end is not the end of the work) the same rounds are re-measured."""
+    counts = {}
+    for queued in (0, 3):
+        policy = worker_policy()
+        modes = fixed_batch(policy, 3 * 130, queued)  # the periodic probe falls ~60 rounds before the end
+        first = policy.trace()["trace"][0]
+        assert first["reason"] == "drafting measured faster"
+        skipped = [d for d in policy.trace()["trace"] if d["reason"].startswith("the batch ends before another probe")]
+        counts[queued] = (modes.count(False), len(skipped))
+    first_cycle_plain = counts[0][0]
+    assert counts[0][1] >= 1 and first_cycle_plain <= 1 + 1 + 1  # settling, measured (and one in flight)
+    assert counts[3][1] == 0 and counts[3][0] > first_cycle_plain  # re-measured
+
+
+def test_a_long_fixed_batch_is_still_re_measured() -> None:
+    """The skip looks at the time left, not at whether a batch is fixed: a batch far longer than an exploit
+    period still measures plain decoding again before its end."""
+    policy = worker_policy()
+    modes = fixed_batch(policy, 3 * 1500, 0)
+    decided = [d for d in policy.trace()["trace"] if d["reason"] == "drafting measured faster"]
+    assert len(decided) >= 2 and modes.count(False) > 3
+    assert all(m for m in modes[-50:])
