@@ -299,9 +299,8 @@ class SpecPolicy:
                 self._remember(tokens, rows, draft_seconds, now - last)
             if now >= self._exploit_until:
                 left = self._batch_seconds_left()
-                # The period a probe now would buy if the winner stands again (its factor doubles, ``_decide``).
-                period = min(max(self.exploit, 2 * self._factor), self.max_exploit) * self._probe_cost
-                if left is not None and left < period:
+                # The period a probe now would buy if the winner stands again.
+                if left is not None and left < self._doubled_factor() * self._probe_cost:
                     self._exploit_until = now + left  # looked at again then (or at the next load change)
                     self._note(now, "the batch ends before another probe could pay: not measuring again",
                                seconds_left=round(left, 4), probe_s=round(self._probe_cost, 4))
@@ -412,19 +411,20 @@ class SpecPolicy:
         A periodic re-measure costs about what the loser cost in the last cycle, and the exploit period
         after it is ``factor`` times that (doubled while the same mode wins): the policy's budget for
         probing is that share of the time. When the batch ends sooner than that next period could run,
-        the probe would spend more than that share
-        on a switch that could pay only for the rounds left; the load checks still look at the tail (on
-        the 2-core CPU at c = 32 a second probe came 24 rounds before a 76-round batch ended: 4 plain
-        rounds, ~2 % of the run, where drafting had won by 1.24x)."""
+        the probe would spend more than that share on a switch that could pay only for the rounds left;
+        the load checks still look at the tail (on the 2-core CPU at c = 32 a second probe came 24 rounds
+        before a 76-round batch ended: 4 plain rounds, ~2 % of the run, where drafting had won by 1.24x)."""
         w = self._measured[self._mode]
         if self._queued != 0 or not self._row_left or not w.rounds or not w.rows:
             return None
-        if self._mode:
-            estimate = self.row_acceptance(w.tokens / w.rows)
-            rounds = max(left / estimate.get(request, w.tokens / w.rows) for request, left in self._row_left.items())
-        else:
-            rounds = float(max(self._row_left.values()))
+        rounds = self._drafting_rounds_left(w.tokens / w.rows) if self._mode else float(max(self._row_left.values()))
         return rounds * w.seconds / w.rounds
+
+    def _drafting_rounds_left(self, tau: float) -> float:
+        """Drafting rounds until the last running row finishes: the most, over the rows, of its tokens left ÷
+        its acceptance (``row_acceptance``, ``tau`` for a row not measured yet)."""
+        estimate = self.row_acceptance(tau)
+        return max(left / estimate.get(request, tau) for request, left in self._row_left.items())
 
     def finish_scale(self, spec: _Window) -> float:
         """What drafting's tokens/s is worth for the batch's finish, as a factor on it: 1 while requests
@@ -441,8 +441,7 @@ class SpecPolicy:
             return 1.0
         tau = spec.tokens / spec.rows
         longest = max(self._row_left.values())
-        estimate = self.row_acceptance(tau)
-        rounds = max(left / estimate.get(request, tau) for request, left in self._row_left.items())
+        rounds = self._drafting_rounds_left(tau)
         return (longest / rounds) / tau if rounds > 0 else 1.0
 
     def row_acceptance(self, tau: float) -> dict[int, float]:
@@ -554,7 +553,7 @@ class SpecPolicy:
         gap = 1.0 - loser / winner if winner > 0 else 0.0
         factor = max(self.exploit, gap / self.probe_loss)
         if self._best == best and self._factor:
-            factor = max(factor, 2 * self._factor)  # the same winner again: probe half as often
+            factor = max(factor, self._doubled_factor())  # the same winner again: probe half as often
         self._factor = min(factor, self.max_exploit)
         reason = ("drafting measured faster" if best else "plain decoding measured faster") + (
             "" if self._best is None or best == self._best else " (switched)")
@@ -567,6 +566,10 @@ class SpecPolicy:
         self._switch(best)
         self._note(now, reason, speculate_tps=spec, plain_tps=plain, exploit_factor=self._factor,
                    **({"finish_scale": scale} if scale != 1.0 else {}))
+
+    def _doubled_factor(self) -> float:
+        """The exploit factor after another win of the same mode: twice the last one, within the bounds."""
+        return min(max(self.exploit, 2 * self._factor), self.max_exploit)
 
     def _start_measuring(self) -> None:
         """A new measuring cycle: both modes measured afresh in blocks current, other, current — the other
