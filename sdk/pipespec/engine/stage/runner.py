@@ -80,8 +80,10 @@ class StageRunner(StageWarmup):
         longest_seq = max(len(r.prompt_ids) + r.max_new_tokens for r in job.requests)
         self._make_slot_stores(micro_batches, longest_seq)
         # Rounds still in flight from the old mode after a switch are told apart by what they carried; one
-        # more round is skipped: its interval spans the pipeline's change of mode.
-        self.policy = SpecPolicy(job.spec_policy, settle=1, warmup=POLICY_WARMUP_ROUNDS * micro_batches) if ctx.is_last and self.k else None  # type: ignore[arg-type]
+        # more round is skipped: its interval spans the pipeline's change of mode. A micro-batch's round is
+        # in flight while the others run theirs.
+        self.policy = SpecPolicy(job.spec_policy, settle=1, in_flight=micro_batches,  # type: ignore[arg-type]
+                                 warmup=POLICY_WARMUP_ROUNDS * micro_batches) if ctx.is_last and self.k else None
         # Positions verified while not speculating, per request, waiting for the draft (last stage).
         self.backlog: dict[int, list[tuple[torch.Tensor, int, list[int]]]] = {}  # request -> (round's aux copy, its row, ids)
         self.backlog_positions: dict[int, int] = {}  # positions held per request (the sum of its backlog)
