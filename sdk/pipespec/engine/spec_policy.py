@@ -220,8 +220,8 @@ class SpecPolicy:
     _resume_until: float = 0.0  # the exploit period a load check resumes when it passes
     _recent: deque[tuple[int, int, float, float]] = field(default_factory=deque)  # the last drafting rounds at this load
     _row_left: dict[int, int] = field(default_factory=dict)  # request -> new tokens it may still get
-    # request -> decayed (tokens, tokens squared, rounds) of its drafting rounds
-    _row_drafted: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    # request -> decayed [tokens, tokens squared, rounds] of its drafting rounds (updated in place)
+    _row_drafted: dict[int, list[float]] = field(default_factory=dict)
     _queued: int | None = None  # requests waiting for a slot (None: not given)
 
     def __post_init__(self) -> None:
@@ -435,17 +435,24 @@ class SpecPolicy:
         return self._drafting_figure(drafting)[2] >= self._measured[False].peak * (1 + self.margin)
 
     def _track_rows(self, drafted: bool, per_row: Sequence[tuple[int, int, int]]) -> None:
-        """Each row's new tokens still to come, and (drafting rounds) its recent tokens per round."""
+        """Each row's new tokens still to come, and (drafting rounds) its recent tokens per round. Runs every
+        round for every row (the policy's largest per-round cost at 32 rows), so the stats are updated in
+        place, with no new objects."""
+        row_left, row_drafted = self._row_left, self._row_drafted
         for request, tokens, left in per_row:
             if left <= 0:
-                self._row_left.pop(request, None)
-                self._row_drafted.pop(request, None)
+                row_left.pop(request, None)
+                row_drafted.pop(request, None)
                 continue
-            self._row_left[request] = left
+            row_left[request] = left
             if drafted and tokens > 0:
-                got, squares, rounds = self._row_drafted.get(request, (0.0, 0.0, 0.0))
-                self._row_drafted[request] = (ROW_DECAY * got + tokens, ROW_DECAY * squares + tokens * tokens,
-                                              ROW_DECAY * rounds + 1.0)
+                stats = row_drafted.get(request)
+                if stats is None:
+                    row_drafted[request] = [float(tokens), float(tokens * tokens), 1.0]
+                else:
+                    stats[0] = ROW_DECAY * stats[0] + tokens
+                    stats[1] = ROW_DECAY * stats[1] + tokens * tokens
+                    stats[2] = ROW_DECAY * stats[2] + 1.0
 
     def _batch_seconds_left(self) -> float | None:
         """How long the batch still runs in the standing mode, with no request waiting for a slot: the row

@@ -233,14 +233,16 @@ class StageRounds(StageDrafting):
                 updates[launch.slot] = update
             self.channel.publish(mb.index, stepmsg.encode(mb.rounds - 1, mb.index, updates, self.k))
             if self.policy is not None:
-                verified = [(r, u) for r, u in by_request.items() if r not in new]
-                # Each row's tokens left, for the batch-finish view (only ``adaptive`` reads them).
-                per_row = [(r, u.accepted + 1, 0 if u.done else
-                            self.seqs[r].request.max_new_tokens - len(self.seqs[r].output) - u.kept)
-                           for r, u in verified] if self.policy.policy == "adaptive" else None
-                self.policy.record(speculated, sum(u.accepted + 1 for _, u in verified), time.perf_counter(),
-                                   prefill=bool(new), rows=len(verified), draft_seconds=self.round_draft_s,
-                                   load=self.scheduler.running, per_row=per_row, queued=len(self.scheduler.waiting))
+                now = time.perf_counter()
+                with self.clock("policy"):  # the policy's own cost, within ``publish``
+                    verified = [(r, u) for r, u in by_request.items() if r not in new]
+                    # Each row's tokens left, for the batch-finish view (only ``adaptive`` reads them).
+                    seqs = self.seqs
+                    per_row = [(r, u.accepted + 1, 0 if u.done else seqs[r].request.max_new_tokens - len(seqs[r].output) - u.kept)
+                               for r, u in verified] if self.policy.policy == "adaptive" else None
+                    self.policy.record(speculated, sum(u.accepted + 1 for _, u in verified), now,
+                                       prefill=bool(new), rows=len(verified), draft_seconds=self.round_draft_s,
+                                       load=self.scheduler.running, per_row=per_row, queued=len(self.scheduler.waiting))
         else:
             self.channel.expect(mb.index)
 
