@@ -736,25 +736,31 @@ C8B_CATCH_UP_MS = 5.27  # the draft's catch-up in a plain round after which draf
 
 
 def turns(policy: SpecPolicy, spec: list[Round], plain: list[Round], rounds: int, micro_batches: int = 2,
-          catch_up_ms: float = C8B_CATCH_UP_MS, unmeasured_plain: int = 0) -> tuple[list[bool], float]:
+          catch_up_ms: float = C8B_CATCH_UP_MS, unmeasured_plain: int = 0, first_plain_ms: float | None = None,
+          plain_after: tuple[int, list[Round]] | None = None) -> tuple[list[bool], float]:
     """The last stage's turns, as the engine runs them: ``policy.speculate()`` at the start of each turn, a
     round of its micro-batch verified (with drafts when that micro-batch's previous turn drafted), then the
     draft's work when this turn drafts — in this round's interval, with ``catch_up_ms`` more when the
     micro-batch's previous turn did not (the draft ingests the positions it missed). Drafting rounds cost
-    their recorded verify share (ms less draft ms) and their draft; plain rounds their recorded ms. The
-    first ``unmeasured_plain`` plain rounds land as prefill rounds (a request admitted in them). Returns
-    each round's mode and the run's tokens per second."""
+    their recorded verify share (ms less draft ms) and their draft; plain rounds their recorded ms, or
+    ``first_plain_ms`` right after a round with drafts (the first stage's share of the plain round was done
+    while the last stage still drafted: only the last stage's share shows). The first ``unmeasured_plain``
+    plain rounds land as prefill rounds (a request admitted in them); ``plain_after`` = (round, rows):
+    plain rounds cost those from that round on. Returns each round's mode and the run's tokens per second."""
     now, tokens = 0.0, 0
     carried = [True] * micro_batches  # whether each micro-batch's previous turn drafted
     drawn = {True: 0, False: 0}
-    modes = []
+    modes: list[bool] = []
     for t in range(rounds):
         mb = t % micro_batches
         drafts = policy.speculate()
         mode = carried[mb]
-        got, ms, rows, draft_ms = (spec if mode else plain)[drawn[mode] % len(spec if mode else plain)]
+        table = spec if mode else (plain_after[1] if plain_after is not None and t >= plain_after[0] else plain)
+        got, ms, rows, draft_ms = table[drawn[mode] % len(table)]
         drawn[mode] += 1
         verify_ms = ms - draft_ms if mode else ms
+        if not mode and first_plain_ms is not None and modes and modes[-1]:
+            verify_ms = first_plain_ms
         draft_now = (spec[t % len(spec)][3] + (0.0 if mode else catch_up_ms)) if drafts else 0.0
         now += (verify_ms + draft_now) / 1e3
         tokens += got
@@ -865,3 +871,41 @@ def test_a_long_fixed_batch_is_still_re_measured() -> None:
     assert len(decided) >= 2 and modes.count(False) > 3
     period_rounds = int(policy._doubled_factor() * policy._probe_cost / 0.010)  # drafting rounds of 10 ms
     assert period_rounds > 10 and all(m for m in modes[-period_rounds:])
+
+
+# c = 32 on the CPU (PP = 2, 2 micro-batches of 16 rows), shaped on one adaptive run of 2026-12-03: a drafting
+# round costs 17 ms (5 of them the draft's) and commits 41 tokens in the first cycle's first block, 30 later
+# (in that run: the rows' spread, once measured, scaled drafting's figure by 0.77); a plain round costs 12 ms
+# settled, but a probe's round, right after rounds with drafts, showed only the last stage's 7 ms.
+C32_SPEC: list[Round] = [(41, 17.0, 16, 5.0)] * 12 + [(30, 17.0, 16, 5.0)] * 12
+C32_PLAIN: list[Round] = [(16, 12.0, 16, 0.0)]
+
+
+def test_plain_decoding_is_not_chosen_on_a_probe_round_alone() -> None:
+    """The probe's round loses to drafting's first window (2286 against 2412 tokens/s) and ends early, but the
+    cycle's pooled figure (2088) is below it: a plain block proper measures plain decoding settled (1333),
+    and drafting is kept. No stretch of plain decoding is longer than that block."""
+    policy = SpecPolicy("adaptive", settle=1, warmup=6, in_flight=2)
+    modes, rate = turns(policy, C32_SPEC, C32_PLAIN, 120, first_plain_ms=7.0)
+    reasons = [d["reason"] for d in policy.trace()["trace"]]
+    assert reasons[0] == "plain decoding faster on a probe's round: measuring a plain block to confirm"
+    assert reasons[1] == "drafting measured faster"
+    stretches = "".join("p" if not m else "S" for m in modes).split("S")
+    assert max(len(p) for p in stretches) <= 1 + policy.window + 2  # settling, the block, in flight
+    _, always = turns(SpecPolicy("always"), C32_SPEC, C32_PLAIN, 120)
+    assert rate >= 0.95 * always
+
+
+def test_plain_decoding_that_slows_down_is_measured_again_at_once() -> None:
+    """Plain decoding wins at first (6 ms rounds: 2667 against 2118 tokens/s), then its rounds slow to
+    14 ms (1143): the policy does not wait for the end of its exploit period (tens of rounds) to measure
+    again, and drafting runs within a few windows of the change."""
+    policy = SpecPolicy("adaptive", settle=1, warmup=6, in_flight=2, exploit=64)
+    plain = [(16, 6.0, 16, 0.0)]
+    modes, _ = turns(policy, C32_SPEC, plain, 200, plain_after=(60, [(16, 14.0, 16, 0.0)]))
+    reasons = [d["reason"] for d in policy.trace()["trace"]]
+    assert "plain decoding measured faster" in reasons[:2]
+    assert not any(modes[40:60])  # plain decoding runs, as chosen
+    watched = [d for d in policy.trace()["trace"] if d["reason"].startswith("plain decoding's rounds run slower")]
+    assert watched and watched[0]["round"] <= 60 + 4 * policy.window
+    assert all(modes[60 + 6 * policy.window:])

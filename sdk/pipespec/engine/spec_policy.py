@@ -197,6 +197,8 @@ class SpecPolicy:
     _skip: int = 0  # rounds still to skip after a switch
     _probe_turns: int | None = None  # in a probe: plain rounds still to launch before drafting resumes
     _probe_drafted: int = 0  # in a probe: rounds with drafts landed since its last plain round was launched
+    _probe_measured: int = 0  # plain rounds of this cycle's window that a probe measured
+    _plain_recent: list[float] = field(default_factory=list)  # exploiting plain decoding: its last rounds' seconds
     _exploit_until: float = 0.0
     _factor: float = 0.0
     _probe_cost: float = 0.0  # the loser's seconds in the last decided cycle (what the next probe costs)
@@ -259,14 +261,14 @@ class SpecPolicy:
             return False
         return True  # the probe's plain rounds are launched: drafting resumes before they land
 
-    def _switch(self, mode: bool) -> None:
+    def _switch(self, mode: bool, probe: bool = True) -> None:
         if mode != self._mode:
             self.switches += 1
             self._skip = self.settle
             self._block = 0
         self._mode = mode
         self._probe_turns = None
-        if not mode and self._best is not False:
+        if probe and not mode and self._best is not False:
             # A block of plain decoding while drafting stands (or before the first decision): a probe.
             # Its rounds are measured net of the draft's catch-up they carry, so none is skipped.
             self._probe_turns, self._probe_drafted, self._skip = self.probe_rounds, 0, 0
@@ -330,6 +332,9 @@ class SpecPolicy:
             self._exploit_s[speculated] += now - last
             if speculated and self._mode and not prefill and tokens > 0:  # measured for free: drafting runs anyway
                 self._remember(tokens, rows, draft_seconds, now - last)
+            if (not speculated and not self._mode and not prefill and tokens > 0
+                    and self._plain_slower(now, tokens, max(now - last - draft_seconds, 1e-9))):
+                return
             if now >= self._exploit_until:
                 left = self._batch_seconds_left()
                 # The period a probe now would buy if the winner stands again.
@@ -363,6 +368,8 @@ class SpecPolicy:
             self._remember(tokens, rows, draft_seconds, interval)
         w.intervals.append(interval)
         w.peak = max(w.peak, tokens / interval) if interval > 0 else w.peak
+        if self._probe_turns is not None and not speculated:
+            self._probe_measured += 1
         self._block += 1
         if self._block < self.window and not self._probe_lost(speculated):
             if self._probe_turns == 0 and self._block >= self.probe_rounds:
@@ -408,6 +415,27 @@ class SpecPolicy:
             self._switch(self._measuring[0])
             return
         self._decide(now, spec_rate if spec.rounds else spec.rate, plain.rate, scale)
+
+    def _plain_slower(self, now: float, tokens: int, interval: float) -> bool:
+        """Exploiting plain decoding, its rounds are measured for free: once two windows' worth of them run
+        slower than the drafting figure it was chosen over, both are measured again at once (True) instead
+        of at the end of the exploit period. What plain decoding was chosen on may have been a short block
+        on a machine that slowed down since, or a probe's round, which sees the last stage's share of a
+        plain round only: on the 2-core CPU at c = 32 a probe measured 7 ms where plain rounds then ran
+        11-15 ms, and 115 rounds were decoded plainly where drafting was ~1.3x faster."""
+        recent = self._plain_recent
+        recent.append(interval)
+        if len(recent) < 2 * self.window:  # two windows' median: single plain rounds swing 2-4x on a shared CPU
+            return False
+        rate = tokens / statistics.median(recent)  # a plain round commits one token per row, so ``tokens`` is the rows
+        del recent[:]
+        spec = self._decided[0]
+        if spec <= 0 or rate * (1 + self.margin) >= spec:
+            return False
+        self._start_measuring()
+        self._note(now, "plain decoding's rounds run slower than the drafting it was chosen over: measuring again",
+                   plain_tps=rate, speculate_tps=spec)
+        return True
 
     def _drafting_figure(self, spec: _Window) -> tuple[_Window, float, float]:
         """Drafting's figure for a decision: (the pooled window, its ``finish_scale``, its scaled tokens/s)."""
@@ -590,16 +618,28 @@ class SpecPolicy:
     def _decide(self, now: float, spec: float, plain: float, scale: float = 1.0) -> None:
         """Both modes measured this cycle: run the faster for a time set by how much the slower costs, and
         keep the round-cost ratio for the load it was measured at."""
-        self._decided, self._plain_bounded = (spec, plain), False
         measured_spec, measured_plain = self._measured[True], self._measured[False]
-        if self._load is not None and measured_spec.rows and measured_plain.rows and measured_plain.seconds > 0:
-            self._ratios[self._load] = ((measured_spec.seconds / measured_spec.rows)
-                                        / (measured_plain.seconds / measured_plain.rows))
-            self._plain_round[self._load] = measured_plain.seconds / measured_plain.rounds
         current = True if self._best is None else self._best  # hysteresis: the standing winner keeps ties
         other = plain if current else spec
         mine = spec if current else plain
         best = (not current) if other > mine * (1 + self.margin) else current
+        if not best and current and self._probe_measured >= measured_plain.rounds:
+            # Plain decoding wins on a probe's rounds alone: a probe's round is the last stage's share of a
+            # plain round less the draft's catch-up, not a pipeline settled into plain decoding (on the 2-core
+            # CPU at c = 32 one measured 7 ms, the plain rounds after it 11-15). Measured on a plain block
+            # proper before it is switched to (then decided on at once: drafting's figure stands).
+            self._measured[False], self._spent[False], self._probe_measured = _Window(), 0.0, 0
+            self._measuring = [False]
+            self._switch(False, probe=False)
+            self._skip, self._block = self.settle, 0
+            self._note(now, "plain decoding faster on a probe's round: measuring a plain block to confirm",
+                       speculate_tps=spec, plain_tps=plain)
+            return
+        self._decided, self._plain_bounded = (spec, plain), False
+        if self._load is not None and measured_spec.rows and measured_plain.rows and measured_plain.seconds > 0:
+            self._ratios[self._load] = ((measured_spec.seconds / measured_spec.rows)
+                                        / (measured_plain.seconds / measured_plain.rows))
+            self._plain_round[self._load] = measured_plain.seconds / measured_plain.rounds
         winner, loser = (spec, plain) if best else (plain, spec)
         gap = 1.0 - loser / winner if winner > 0 else 0.0
         factor = max(self.exploit, gap / self.probe_loss)
@@ -630,6 +670,8 @@ class SpecPolicy:
             self._probe_turns, self._mode = None, True
         self._measuring = [self._mode, not self._mode, self._mode]
         self._check = None
+        self._probe_measured = 0
+        self._plain_recent = []
         self._measured = {True: _Window(), False: _Window()}
         self._spent = {True: 0.0, False: 0.0}
         self._block = 0
