@@ -909,3 +909,24 @@ def test_plain_decoding_that_slows_down_is_measured_again_at_once() -> None:
     watched = [d for d in policy.trace()["trace"] if d["reason"].startswith("plain decoding's rounds run slower")]
     assert watched and watched[0]["round"] <= 60 + 4 * policy.window
     assert all(modes[60 + 6 * policy.window:])
+
+
+def test_a_load_change_during_a_probe_resumes_drafting() -> None:
+    """The load halves twice while a probe's plain round is in flight: the cycle starts again from drafting
+    (the standing mode), not from the probe's plain block, and the policy drafts on."""
+    policy = SpecPolicy("adaptive", settle=1, in_flight=2)
+    now, decided = 0.0, []
+    while len(decided) < 40:
+        decided.append(policy.speculate())
+        if not decided[-1]:
+            break
+        now += 0.013
+        policy.record(True, 12, now, rows=4, draft_seconds=0.004, load=8)
+    assert decided[-1] is False, "no probe was started"
+    now += 0.013
+    policy.record(True, 3, now, rows=1, draft_seconds=0.004, load=2)  # a round in flight, after rows finished
+    assert policy.trace()["trace"][-1]["reason"] == "load 8 -> 2 running sequences: measuring again"
+    for _ in range(policy.window + 1):  # a drafting window is measured first (the probe's round never lands)
+        assert policy.speculate()
+        now += 0.013
+        policy.record(True, 3, now, rows=1, draft_seconds=0.004, load=2)
