@@ -336,8 +336,9 @@ class SpecPolicy:
                     and self._plain_slower(now, tokens, max(now - last - draft_seconds, 1e-9))):
                 return
             if now >= self._exploit_until:
-                left = self._batch_seconds_left()
-                # The period a probe now would buy if the winner stands again.
+                # The batch's time left against the period a probe now would buy if the winner stands again
+                # (no probe cost yet, as while drafting beats plain decoding's estimate: nothing to weigh).
+                left = self._batch_seconds_left() if self._probe_cost > 0 else None
                 if left is not None and left < self._doubled_factor() * self._probe_cost:
                     self._exploit_until = now + left  # looked at again then (or at the next load change)
                     self._note(now, "the batch ends before another probe could pay: not measuring again",
