@@ -86,6 +86,11 @@ def replay(policy: SpecPolicy, costs: dict[bool, list[Round]], rounds: int, in_f
     return modes, tokens / now
 
 
+def plain_stretches(modes: list[bool]) -> list[str]:
+    """The runs of consecutive plain rounds in ``modes``, one "p" per round ("" between adjacent drafting rounds)."""
+    return "".join("p" if not m else "S" for m in modes).split("S")
+
+
 def fixed_rate(costs: dict[bool, list[Round]], mode: bool, rounds: int) -> float:
     """Tokens per second of ``rounds`` rounds all in ``mode`` (what ``always`` / ``--num-spec-tokens 0`` get)."""
     table = costs[mode]
@@ -716,7 +721,7 @@ def test_a_plain_block_that_clearly_loses_ends_early(probe_rounds: int) -> None:
     policy = SpecPolicy("adaptive", settle=1, warmup=6, probe_rounds=probe_rounds, in_flight=1)
     modes, rate = replay(policy, costs, 64, in_flight=2)
     assert policy.trace()["trace"][0]["reason"] == "drafting measured faster"
-    stretches = "".join("p" if not m else "S" for m in modes).split("S")
+    stretches = plain_stretches(modes)
     assert {len(p) for p in stretches if p} == {probe_rounds}
     if probe_rounds == 1:  # the default
         assert rate >= 0.97 * fixed_rate(costs, True, 64)
@@ -783,7 +788,7 @@ def test_a_probe_resumes_drafting_before_its_plain_round_lands() -> None:
     _, always = turns(SpecPolicy("always"), C8B_SPEC, C8B_PLAIN, 64)
     decisions = [d for d in policy.trace()["trace"] if "measured faster" in d["reason"]]
     assert decisions and all(d["reason"] == "drafting measured faster" for d in decisions)
-    stretches = "".join("p" if not m else "S" for m in modes).split("S")
+    stretches = plain_stretches(modes)
     assert {len(p) for p in stretches if p} == {1}
     plain_ms = 4 / decisions[0]["plain_tps"] * 1e3
     assert min(r[1] for r in C8B_PLAIN) <= plain_ms + 1e-6 and plain_ms <= max(r[1] for r in C8B_PLAIN) + 1e-6
@@ -800,7 +805,7 @@ def test_a_probe_that_plain_decoding_might_win_becomes_a_plain_block() -> None:
         modes, _ = turns(policy, C8B_SPEC, plain, 80)
         first = next(d for d in policy.trace()["trace"] if "measured faster" in d["reason"])
         assert first["reason"].startswith(f"{winner} measured faster")
-        stretches = "".join("p" if not m else "S" for m in modes).split("S")
+        stretches = plain_stretches(modes)
         assert max(len(p) for p in stretches) >= 1 + policy.window  # the probe, then a whole block
 
 
@@ -810,7 +815,7 @@ def test_a_probe_whose_plain_round_is_not_measured_becomes_a_plain_block() -> No
     policy = SpecPolicy("adaptive", settle=1, warmup=6, in_flight=2)
     modes, _ = turns(policy, C8B_SPEC, C8B_PLAIN, 64, unmeasured_plain=1)
     assert policy.trace()["trace"][0]["reason"] == "drafting measured faster"
-    stretches = "".join("p" if not m else "S" for m in modes).split("S")
+    stretches = plain_stretches(modes)
     assert [len(p) for p in stretches if p][0] == 1 and sum(1 for p in stretches if p) >= 2
 
 
@@ -890,7 +895,7 @@ def test_plain_decoding_is_not_chosen_on_a_probe_round_alone() -> None:
     reasons = [d["reason"] for d in policy.trace()["trace"]]
     assert reasons[0] == "plain decoding faster on a probe's round: measuring a plain block to confirm"
     assert reasons[1] == "drafting measured faster"
-    stretches = "".join("p" if not m else "S" for m in modes).split("S")
+    stretches = plain_stretches(modes)
     assert max(len(p) for p in stretches) <= 1 + policy.window + 2  # settling, the block, in flight
     _, always = turns(SpecPolicy("always"), C32_SPEC, C32_PLAIN, 120)
     assert rate >= 0.95 * always

@@ -332,12 +332,15 @@ class SpecPolicy:
                     self._note(now, f"load {self._load} -> {load} running sequences: measuring again")
             self._load = load
             return
+        # A plain round is measured net of the draft work it carried (in a probe, the resumed draft's
+        # catch-up): what a round without drafts costs.
+        interval = now - last if speculated else max(now - last - draft_seconds, 1e-9)
         if not self._measuring:  # exploiting the winner
             self._exploit_s[speculated] += now - last
             if speculated and self._mode and not prefill and tokens > 0:  # measured for free: drafting runs anyway
-                self._remember(tokens, rows, draft_seconds, now - last)
+                self._remember(tokens, rows, draft_seconds, interval)
             if (not speculated and not self._mode and not prefill and tokens > 0
-                    and self._plain_slower(now, tokens, max(now - last - draft_seconds, 1e-9))):
+                    and self._plain_slower(now, tokens, interval)):
                 return
             if now >= self._exploit_until:
                 # The batch's time left against the period a probe now would buy if the winner stands again
@@ -364,9 +367,6 @@ class SpecPolicy:
         if self._skip:  # settling after a switch, or the warm-up
             self._skip -= 1
             return
-        # A plain round is measured net of the draft work it carried (in a probe, the resumed draft's
-        # catch-up): what a round without drafts costs.
-        interval = now - last if speculated else max(now - last - draft_seconds, 1e-9)
         w = self._measured[speculated]
         w.tokens, w.rows, w.draft_seconds = w.tokens + tokens, w.rows + rows, w.draft_seconds + draft_seconds
         if speculated:
