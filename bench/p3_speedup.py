@@ -50,6 +50,7 @@ from bench.common import (  # noqa: E402
     save_plot,
     write_json,
 )
+from bench.run_order import balanced_order, lead_in  # noqa: E402
 
 NAME = "p3"
 DESCRIPTION = "speedup: tokens/s with EAGLE3 / with --num-spec-tokens 0, PP=2 (plus a 70B projection on GPU)"
@@ -83,29 +84,36 @@ def _sweep(quick: bool, device: str) -> tuple[list[tuple[int, int, str]], int]:
             + list(policy_runs((32,))), 96)
 
 
-def policy_runs(cs: Sequence[int]) -> list[tuple[int, int, str]]:
-    """The runs behind the policy rows: plain decoding, k = 3 ``always`` and k = 3 ``adaptive`` at each c."""
-    return [(c, k, policy) for c in cs for k, policy in ((0, "always"), (3, "always"), (3, "adaptive"))]
+CONTROL = "control"  # an A/A control: ``always`` (k = 3) run again as a variant of its own
 
 
-def interleaved(runs: Sequence[tuple[int, int, str]], repeats: int) -> list[tuple[int, int, str]]:
-    """``runs`` ``repeats`` times, interleaved so drift hits every variant alike, and with each c's variants
-    rotated by one place per repeat: a variant that always ran third after two others measured ~10 %
-    slower on one H200 in every repeat (the same rounds, every phase slower), an order effect, not its own.
-    Every other round of rotations runs the variants in reverse, so each one also follows every other
-    equally often: rotation alone keeps the cyclic order, and on the 2-core CPU adaptive then always ran
-    right after ``always`` (in one 7-repeat run at c = 1 it measured 0.86x ``always`` on the same rounds,
-    both stages' forwards slower)."""
+def policy_runs(cs: Sequence[int], control: bool = False) -> list[tuple[int, int, str]]:
+    """The runs behind the policy rows: plain decoding, k = 3 ``always`` and k = 3 ``adaptive`` at each c
+    (and with ``control`` k = 3 ``always`` once more, as ``CONTROL``: its ratio to ``always`` is the noise
+    floor of a row)."""
+    variants = ((0, "always"), (3, "always"), (3, "adaptive")) + (((3, CONTROL),) if control else ())
+    return [(c, k, policy) for c in cs for k, policy in variants]
+
+
+def interleaved(runs: Sequence[tuple[int, int, str]], repeats: int) -> list[tuple[tuple[int, int, str], bool]]:
+    """``(run, measured)`` pairs: ``runs`` ``repeats`` times, one c after another, each c's variants in a
+    carry-over balanced order (``bench.run_order``: every variant at every place, and after every other
+    variant, equally often) after one unmeasured lead-in run of the same c (with ``repeats`` > 1).
+
+    Order effects, not the variants' own: a variant that always ran third after two others measured ~10 %
+    slower on one H200 in every repeat (the same rounds, every phase slower); on the 2-core CPU adaptive,
+    right after ``always`` in every repeat, measured 0.86x it on the same rounds. Before, the c's took turns
+    within a repeat, so the first variant of each c ran after another c's run: at c = 1 on one H200
+    ``always`` followed a plain run at c = 32 5 times of 9."""
     by_c: dict[int, list[tuple[int, int, str]]] = {}
     for run in runs:
         by_c.setdefault(run[0], []).append(run)
-    order = []
-    for i in range(repeats):
-        for group in by_c.values():
-            n = len(group)
-            turn = group if (i // n) % 2 == 0 else group[::-1]
-            shift = i % n
-            order += turn[shift:] + turn[:shift]
+    order: list[tuple[tuple[int, int, str], bool]] = []
+    for group in by_c.values():
+        perms = balanced_order(len(group), repeats)
+        if repeats > 1 and len(group) > 1:
+            order.append((group[lead_in(perms)], False))
+        order += [(group[i], True) for perm in perms for i in perm]
     return order
 
 
@@ -181,7 +189,7 @@ def measure(runs: Sequence[tuple[int, int, str]], new_tokens: int, repeats: int,
         target, draft, what = _pair(work, pair)
         prompts = _prompts(target, max(c for c, _, _ in runs))
         started = time.perf_counter()
-        for c, k, policy in interleaved(runs, repeats):
+        for (c, k, policy), counted in interleaved(runs, repeats):
             if budget_s is not None and time.perf_counter() - started > budget_s and k and (0, "always") in measured.get(c, {}):
                 print(f"p3: skipping c={c} k={k} {policy}: the measured runs took over {budget_s:.0f} s "
                       "(the one-call GPU budget)", file=sys.stderr)
@@ -192,14 +200,17 @@ def measure(runs: Sequence[tuple[int, int, str]], new_tokens: int, repeats: int,
             # --quick (CPU CI budget) and CUDA (the one-call GPU budget) call the CLI's entry point in this
             # process, reusing the warm stage forkserver; a full CPU run starts it as a subprocess.
             generated = _generate(target, draft, path, k, new_tokens, device, in_process,
-                                  extra=("--spec-policy", policy), pp=pp)
+                                  extra=("--spec-policy", "always" if policy == CONTROL else policy), pp=pp)
+            if out_dir:
+                append_jsonl(Path(out_dir) / "p3_runs.jsonl", {"c": c, "k": k, "spec_policy": policy, "new_tokens": new_tokens,
+                                                               "device": device, "pp": pp, "pair": what, "lead_in": not counted,
+                                                               "generate": generated})
+            if not counted:  # the lead-in: the first measured run of this c has a run of this c before it
+                continue
             measured.setdefault(c, {}).setdefault((k, policy), generated)  # the first repeat's outputs and stats
             rates.setdefault((c, k, policy), []).append(float(generated["tokens_per_s"]))
             if policy == "adaptive" and "policy_trace" in generated:
                 traces.setdefault(c, []).append(generated["policy_trace"])
-            if out_dir:
-                append_jsonl(Path(out_dir) / "p3_runs.jsonl", {"c": c, "k": k, "spec_policy": policy, "new_tokens": new_tokens,
-                                                               "device": device, "pp": pp, "pair": what, "generate": generated})
     results += policy_results(rates, traces, measured, repeats, new_tokens, what, dev, command, pp)
     if not speedups:
         return results
@@ -209,7 +220,7 @@ def measure(runs: Sequence[tuple[int, int, str]], new_tokens: int, repeats: int,
         base_rate = statistics.median(rates[c, 0, "always"])
         plain_ids = [o["output_ids"] for o in base["outputs"]]
         for (k, policy), res in sorted(by_k.items()):
-            if k == 0:
+            if k == 0 or policy == CONTROL:
                 continue
             rate = statistics.median(rates[c, k, policy])
             speedup = rate / base_rate
@@ -255,12 +266,12 @@ def measure(runs: Sequence[tuple[int, int, str]], new_tokens: int, repeats: int,
 POLICY_GOAL = 0.97  # issue 16: adaptive >= 0.97 x the better fixed choice
 
 
-def _paired(adaptive: Sequence[float], always: Sequence[float], plain: Sequence[float]) -> float | None:
-    """The median over repeats of adaptive ÷ max(always, plain) within one repeat (the three runs next to
-    each other in time, so a drift of the machine between repeats cancels); None when a run was skipped."""
-    if not len(adaptive) == len(always) == len(plain) or not adaptive:
+def _paired(runs: Sequence[float], *fixed: Sequence[float]) -> float | None:
+    """The median over repeats of ``runs`` ÷ the best of ``fixed`` within one repeat (the runs next to each
+    other in time, so a drift of the machine between repeats cancels); None when a run was skipped."""
+    if not runs or any(len(f) != len(runs) for f in fixed):
         return None
-    return statistics.median(a / max(s, p) for a, s, p in zip(adaptive, always, plain))
+    return statistics.median(r / max(f) for r, *f in zip(runs, *fixed))
 
 
 def policy_results(rates: dict[tuple[int, int, str], list[float]], traces: dict[int, list[dict[str, Any]]],
@@ -283,6 +294,21 @@ def policy_results(rates: dict[tuple[int, int, str], list[float]], traces: dict[
         reasons = sorted({d["reason"].split(":")[0] for t in runs for d in t["trace"]})
         same = ([o["output_ids"] for o in measured[c][3, "adaptive"]["outputs"]]
                 == [o["output_ids"] for o in measured[c][0, "always"]["outputs"]])
+        control_key = (c, 3, CONTROL)
+        control = ""
+        if control_key in rates:
+            noise = statistics.median(rates[control_key]) / always
+            noise_paired = _paired(rates[control_key], rates[keys[1]])
+            control = (f"; the A/A control (always run again as a variant of its own) reads {noise:.3f} "
+                       f"(paired {'n/a' if noise_paired is None else f'{noise_paired:.3f}'})")
+            results.append(Result(
+                f"P3.control.c{c}" + ("" if pp == 2 else f".pp{pp}"), noise, "-", "x", None, dev, command,
+                detail=(f"A/A: the median tokens/s of --spec-policy always (k=3) run again as a variant of its own "
+                        f"÷ always's, the same interleaving: how far apart two identical variants measure in this run, "
+                        f"the noise floor of the policy row (control {_fmt(rates[control_key])}, always "
+                        f"{_fmt(rates[keys[1]])}; paired: {'n/a' if noise_paired is None else f'{noise_paired:.3f}'}); "
+                        f"{new_tokens} new tokens x {c} prompts, PP={pp}; {what}"),
+            ))
         results.append(Result(
             f"P3.policy.c{c}" + ("" if pp == 2 else f".pp{pp}"), ratio, f">= {POLICY_GOAL:g}", "x", ratio >= POLICY_GOAL,
             dev, command,
@@ -294,7 +320,7 @@ def policy_results(rates: dict[tuple[int, int, str], list[float]], traces: dict[
                     f"(settled by drafting's acceptance, no plain round: {[t.get('load_checks', 0) for t in runs]}), "
                     f"decisions: {'; '.join(reasons) or 'none'}; "
                     f"{new_tokens} new tokens x {c} prompts, outputs {'identical to' if same else 'DIFFER from'} plain "
-                    f"decoding; {what}"),
+                    f"decoding; {what}{control}"),
         ))
     return results
 
@@ -313,6 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--subprocess", action="store_true",
                         help="a fresh interpreter per run (default: the CLI's entry point called in this process, which "
                              "reuses its warm stage forkserver)")
+    parser.add_argument("--control", action="store_true",
+                        help="an A/A control: `always` run again as a variant of its own (P3.control rows: the noise floor)")
     parser.add_argument("--out", required=True, help="directory for p3_policy.json and p3_runs.jsonl")
     args = parser.parse_args(argv)
     try:
@@ -326,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ["PIPESPEC_BENCH_OUT"] = str(out)
     command = "python3 bench/p3_speedup.py " + " ".join(sys.argv[1:] if argv is None else argv)
     in_process = not args.subprocess
-    results = measure(policy_runs(cs), args.tokens, args.repeats, args.device, command, args.pair, in_process=in_process,
+    results = measure(policy_runs(cs, args.control), args.tokens, args.repeats, args.device, command, args.pair, in_process=in_process,
                       pp=args.pp, speedups=False)
     print_table(f"P3 policy rows, PP={args.pp}", results)
     write_json(out / "p3_policy.json", results)

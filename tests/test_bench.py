@@ -343,23 +343,26 @@ def test_pipeline_sweep_script_refuses_bad_concurrencies(tmp_path: Path) -> None
     assert proc.returncode == 2 and "--c '8,x'" in proc.stderr
 
 
-def test_p3_runs_rotate_their_order_every_repeat() -> None:
-    """Every variant of a c runs first, second and third equally often (an order effect cannot favour one)."""
-    from bench.p3_speedup import interleaved, policy_runs
+def test_p3_runs_one_c_after_another_each_after_a_lead_in_of_its_own_c() -> None:
+    """Each c's runs come together, in a carry-over balanced order (``bench.run_order``), after one unmeasured
+    run of the same c; every variant is measured ``repeats`` times, at every place of a repeat equally often."""
+    from bench.p3_speedup import CONTROL, interleaved, policy_runs
 
-    runs = policy_runs([1, 8])
-    order = interleaved(runs, 3)
-    assert sorted(order) == sorted(runs * 3)
+    runs = policy_runs([1, 8], control=True)
+    assert {r[2] for r in runs} == {"always", "adaptive", CONTROL}
+    order = interleaved(runs, 12)
+    assert sorted(run for run, counted in order if counted) == sorted(runs * 12)
     for c in (1, 8):
-        per_repeat = [[r for r in order[i * 6:(i + 1) * 6] if r[0] == c] for i in range(3)]
-        positions = {run: sorted(rep.index(run) for rep in per_repeat) for run in runs if run[0] == c}
-        assert all(p == [0, 1, 2] for p in positions.values()), positions
-    # Over 6 repeats each variant also follows each other variant of its c equally often (within a repeat).
-    order = interleaved(runs, 6)
-    for c in (1, 8):
-        per_repeat = [[r for r in order[i * 6:(i + 1) * 6] if r[0] == c] for i in range(6)]
+        mine = [(run, counted) for run, counted in order if run[0] == c]
+        assert [counted for _, counted in mine] == [False] + [True] * 48  # one lead-in, first
+        assert order.index(mine[0]) == 0 or order[order.index(mine[0]) - 1][0][0] != c
+        seq = [run for run, _ in mine]
         follows: dict[tuple[tuple[int, int, str], tuple[int, int, str]], int] = {}
-        for rep in per_repeat:
-            for before, after in zip(rep, rep[1:]):
-                follows[before, after] = follows.get((before, after), 0) + 1
-        assert len(follows) == 6 and len(set(follows.values())) == 1, follows
+        for before, after in zip(seq, seq[1:]):
+            follows[before, after] = follows.get((before, after), 0) + 1
+        assert len(follows) == 12 and set(follows.values()) == {4}, follows  # 4 variants, 12 = 4 x 3 repeats
+        places = {run: sorted(seq[1:][i * 4:(i + 1) * 4].index(run) for i in range(12)) for run in set(seq)}
+        assert all(p == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3] for p in places.values()), places
+    assert [counted for _, counted in interleaved(runs, 1)] == [True] * 8  # one repeat: no lead-in
+
+
