@@ -23,6 +23,7 @@ on GPU, never below 1.0× at any c.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import statistics
@@ -203,7 +204,8 @@ def measure(runs: Sequence[tuple[int, int, str]], new_tokens: int, repeats: int,
                                   extra=("--spec-policy", "always" if policy == CONTROL else policy), pp=pp)
             if out_dir:
                 append_jsonl(Path(out_dir) / "p3_runs.jsonl", {"c": c, "k": k, "spec_policy": policy, "new_tokens": new_tokens,
-                                                               "device": device, "pp": pp, "pair": what, "lead_in": not counted,
+                                                               "device": device, "machine": dev, "pp": pp, "pair": what,
+                                                               "lead_in": not counted,
                                                                "generate": generated})
             if not counted:  # the lead-in: the first measured run of this c has a run of this c before it
                 continue
@@ -211,7 +213,7 @@ def measure(runs: Sequence[tuple[int, int, str]], new_tokens: int, repeats: int,
             rates.setdefault((c, k, policy), []).append(float(generated["tokens_per_s"]))
             if policy == "adaptive" and "policy_trace" in generated:
                 traces.setdefault(c, []).append(generated["policy_trace"])
-    results += policy_results(rates, traces, measured, repeats, new_tokens, what, dev, command, pp)
+    results += policy_results(rates, traces, measured, new_tokens, what, dev, command, pp)
     if not speedups:
         return results
     series: dict[str, tuple[list[float], list[float]]] = {}
@@ -275,7 +277,7 @@ def _paired(runs: Sequence[float], *fixed: Sequence[float]) -> float | None:
 
 
 def policy_results(rates: dict[tuple[int, int, str], list[float]], traces: dict[int, list[dict[str, Any]]],
-                   measured: dict[int, dict[tuple[int, str], dict[str, Any]]], repeats: int, new_tokens: int, what: str,
+                   measured: dict[int, dict[tuple[int, str], dict[str, Any]]], new_tokens: int, what: str,
                    dev: str, command: str, pp: int) -> list[Result]:
     """``P3.policy.c{c}``: the median tokens/s of ``--spec-policy adaptive`` (k = 3) ÷ the better of the
     medians of ``always`` (k = 3) and plain decoding (k = 0), with the decision trace's rounds per mode."""
@@ -313,7 +315,7 @@ def policy_results(rates: dict[tuple[int, int, str], list[float]], traces: dict[
             f"P3.policy.c{c}" + ("" if pp == 2 else f".pp{pp}"), ratio, f">= {POLICY_GOAL:g}", "x", ratio >= POLICY_GOAL,
             dev, command,
             detail=(f"adaptive {adaptive:.1f} / max(always {always:.1f}, plain {plain:.1f}) tokens/s, k=3, PP={pp} "
-                    f"(medians of {repeats} interleaved: adaptive {_fmt(rates[keys[0]])}, always {_fmt(rates[keys[1]])}, "
+                    f"(medians of {len(rates[keys[0]])} interleaved: adaptive {_fmt(rates[keys[0]])}, always {_fmt(rates[keys[1]])}, "
                     f"plain {_fmt(rates[keys[2]])}; paired, the median of each repeat's adaptive ÷ its better fixed "
                     f"run: {'n/a' if paired is None else f'{paired:.3f}'}); adaptive rounds speculative {spec_rounds} / plain {plain_rounds}, "
                     f"switches {[t['switches'] for t in runs]}, load changes {[t.get('load_changes', 0) for t in runs]} "
@@ -323,6 +325,52 @@ def policy_results(rates: dict[tuple[int, int, str], list[float]], traces: dict[
                     f"decoding; {what}{control}"),
         ))
     return results
+
+
+POOLED_FIELDS = ("new_tokens", "pp", "device", "pair")  # what every pooled run must share
+
+
+def pooled(paths: Sequence[Path], command: str) -> list[Result]:
+    """The policy rows over the measured runs of several ``p3_runs.jsonl`` files (calls of this script with
+    the same settings; lead-in runs left out): one call's 12 repeats leave a row's A/A control at 0.90–1.11
+    on one H200, so a verdict within a few percent pools calls. Raises ``ValueError`` naming the file and
+    line of a run that cannot be read or does not share ``POOLED_FIELDS`` with the first."""
+    rates: dict[tuple[int, int, str], list[float]] = {}
+    traces: dict[int, list[dict[str, Any]]] = {}
+    measured: dict[int, dict[tuple[int, str], dict[str, Any]]] = {}
+    first: dict[str, Any] | None = None
+    machines: set[str] = set()
+    for path in paths:
+        try:
+            lines = (gzip.decompress(Path(path).read_bytes()).decode() if str(path).endswith(".gz")
+                     else Path(path).read_text()).splitlines()
+        except (OSError, EOFError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read it ({exc}); give the p3_runs.jsonl(.gz) of a run of this script") from None
+        for number, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+                c, k, policy, generated = int(row["c"]), int(row["k"]), str(row["spec_policy"]), row["generate"]
+                rate = float(generated["tokens_per_s"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: not a run of bench/p3_speedup.py ({type(exc).__name__}: {exc})") from None
+            settings = {name: row.get(name) for name in POOLED_FIELDS}
+            machines.add(str(row.get("machine") or row.get("device")))  # runs before the "machine" field: the device
+            first = first or settings
+            if settings != first:
+                field = next(name for name in POOLED_FIELDS if settings[name] != first[name])
+                raise ValueError(f"{path}:{number}: {field} = {settings[field]!r}, but the first run pooled has "
+                                 f"{first[field]!r}; pool only runs of the same settings")
+            if row.get("lead_in"):
+                continue
+            measured.setdefault(c, {}).setdefault((k, policy), generated)
+            rates.setdefault((c, k, policy), []).append(rate)
+            if policy == "adaptive" and "policy_trace" in generated:
+                traces.setdefault(c, []).append(generated["policy_trace"])
+    if first is None:
+        raise ValueError(f"{', '.join(map(str, paths))}: no runs in them")
+    machine = " + ".join(sorted(machines))
+    return policy_results(rates, traces, measured, int(first["new_tokens"]), f"{first['pair']}, {len(paths)} calls pooled",
+                          machine, command, int(first["pp"]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -341,8 +389,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "reuses its warm stage forkserver)")
     parser.add_argument("--control", action="store_true",
                         help="an A/A control: `always` run again as a variant of its own (P3.control rows: the noise floor)")
+    parser.add_argument("--pool", type=Path, nargs="+", default=None, metavar="RUNS",
+                        help="measure nothing: the policy rows over the runs of these p3_runs.jsonl files (calls with the "
+                             "same settings), written to OUT/p3_policy_pooled.json")
     parser.add_argument("--out", required=True, help="directory for p3_policy.json and p3_runs.jsonl")
     args = parser.parse_args(argv)
+    command = "python3 bench/p3_speedup.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.pool:
+        try:
+            results = pooled(args.pool, command)
+        except ValueError as exc:
+            parser.error(str(exc))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        print_table(f"P3 policy rows, {len(args.pool)} calls pooled", results)
+        write_json(out / "p3_policy_pooled.json", results)
+        return 0
     try:
         cs = [int(c) for c in args.c.split(",")]
     except ValueError:
@@ -352,7 +414,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ["PIPESPEC_BENCH_OUT"] = str(out)
-    command = "python3 bench/p3_speedup.py " + " ".join(sys.argv[1:] if argv is None else argv)
     in_process = not args.subprocess
     results = measure(policy_runs(cs, args.control), args.tokens, args.repeats, args.device, command, args.pair, in_process=in_process,
                       pp=args.pp, speedups=False)

@@ -7,7 +7,9 @@ tests pin the output contract scripts rely on and that the projection code runs 
 
 from __future__ import annotations
 
+import gzip
 import json
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -130,22 +132,54 @@ def test_p3_quick_runs_on_the_given_pair_and_records_it(tmp_path: Path) -> None:
         assert trace["load_checks"] <= trace["load_changes"] and f"load changes [{trace['load_changes']}]" in row["detail"]
 
 
-@pytest.mark.timeout(300)
-def test_p3_policy_script_writes_the_policy_rows_at_pp1(tmp_path: Path) -> None:
-    """``bench/p3_speedup.py`` (the command for a one-GPU measurement) on CPU at PP = 1, tiny sizes."""
+@pytest.mark.timeout(400)
+def test_p3_policy_script_writes_the_policy_rows_at_pp1_with_a_control_and_pools_calls(tmp_path: Path) -> None:
+    """``bench/p3_speedup.py`` (the command for a one-GPU measurement) on CPU at PP = 1, tiny sizes, with the
+    A/A control and a lead-in; then ``--pool`` over two calls' runs gives the rows of their runs together."""
     pair = _tiny_pair(tmp_path / "pair").resolve()
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "bench/p3_speedup.py", "--pp", "1", "--c", "2", "--tokens", "6", "--repeats", "1",
+        [sys.executable, "bench/p3_speedup.py", "--pp", "1", "--c", "2", "--tokens", "6", "--repeats", "2", "--control",
          "--pair", str(pair), "--out", str(out)],
-        capture_output=True, text=True, timeout=280, cwd=ROOT, check=False,
+        capture_output=True, text=True, timeout=380, cwd=ROOT, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads((out / "p3_policy.json").read_text())
-    assert [r["id"] for r in rows] == ["P3.policy.c2.pp1"]
-    assert "PP=1" in rows[0]["detail"] and rows[0]["value"] > 0
+    rows = {r["id"]: r for r in json.loads((out / "p3_policy.json").read_text())}
+    assert list(rows) == ["P3.control.c2.pp1", "P3.policy.c2.pp1"]
+    assert "PP=1" in rows["P3.policy.c2.pp1"]["detail"] and rows["P3.policy.c2.pp1"]["value"] > 0
     runs = [json.loads(line) for line in (out / "p3_runs.jsonl").read_text().splitlines()]
-    assert [(r["k"], r["spec_policy"], r["pp"]) for r in runs] == [(0, "always", 1), (3, "always", 1), (3, "adaptive", 1)]
+    assert [r["lead_in"] for r in runs] == [True] + [False] * 8 and all(r["pp"] == 1 for r in runs)
+    counted = [r for r in runs if not r["lead_in"]]
+    assert sorted((r["k"], r["spec_policy"]) for r in counted) == sorted(
+        [(0, "always"), (3, "always"), (3, "adaptive"), (3, "control")] * 2)
+    rates: dict[str, list[float]] = {}
+    for r in counted:
+        rates.setdefault(r["spec_policy"] + str(r["k"]), []).append(r["generate"]["tokens_per_s"])
+    median = statistics.median
+    assert rows["P3.control.c2.pp1"]["value"] == pytest.approx(median(rates["control3"]) / median(rates["always3"]))
+    assert rows["P3.control.c2.pp1"]["meets"] is None
+    # Pooled: the same file twice stands for two calls; the rows are the medians over both.
+    gz = tmp_path / "again.jsonl.gz"
+    gz.write_bytes(gzip.compress((out / "p3_runs.jsonl").read_bytes()))
+    pooled = subprocess.run([sys.executable, "bench/p3_speedup.py", "--pool", str(out / "p3_runs.jsonl"), str(gz),
+                             "--out", str(tmp_path / "pooled")], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            check=False)
+    assert pooled.returncode == 0, pooled.stderr[-2000:]
+    rows2 = {r["id"]: r for r in json.loads((tmp_path / "pooled" / "p3_policy_pooled.json").read_text())}
+    best = max(median(rates["always3"] * 2), median(rates["always0"] * 2))
+    assert rows2["P3.policy.c2.pp1"]["value"] == pytest.approx(median(rates["adaptive3"] * 2) / best)
+    assert "medians of 4 interleaved" in rows2["P3.policy.c2.pp1"]["detail"] and "2 calls pooled" in rows2["P3.policy.c2.pp1"]["detail"]
+    # Runs of other settings, or a line that is not a run, are one usage error naming the file and line.
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({**r, "new_tokens": 7}) + "\n" for r in runs[:2]))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text((out / "p3_runs.jsonl").read_text().splitlines()[0] + "\n{not json\n")
+    for bad, says in ((other, f"{other}:1: new_tokens = 7, but the first run pooled has 6"), (broken, f"{broken}:2: not a run")):
+        proc = subprocess.run([sys.executable, "bench/p3_speedup.py", "--pool", str(out / "p3_runs.jsonl"), str(bad),
+                               "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                              check=False)
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not (tmp_path / "bad" / "p3_policy_pooled.json").exists()
 
 
 @pytest.mark.parametrize("case", ["missing", "no_draft", "other_bench"])
