@@ -205,7 +205,7 @@ def test_a_change_of_load_restarts_the_measuring() -> None:
     assert modes[20:200].count(True) > 0.8 * 180  # drafting at full load
     # Plain within a few rounds of the drop (measured anew), every round after that; without the load
     # the exploit period measured at full load would keep drafting for ~100 more rounds.
-    assert all(not m for m in modes[220:280]) and modes[280:].count(False) > 0.9 * 320
+    assert all(not m for m in modes[230:280]) and modes[280:].count(False) > 0.9 * 320
     assert policy.load_changes == 1
 
 
@@ -220,20 +220,23 @@ def test_small_changes_of_load_wait_for_the_next_cycle() -> None:
     assert policy.load_changes == 1  # 8 -> 4 only
 
 
-@pytest.mark.parametrize("warmup", [0, 6])
-def test_a_slow_start_is_not_measured(warmup: int) -> None:
+@pytest.mark.parametrize(("warmup", "slow_factor"), [(0, 4.0), (6, 4.0), (0, 8.0), (6, 8.0)])
+def test_a_slow_start_is_not_measured(warmup: int, slow_factor: float) -> None:
     """A fresh stage's first rounds are slow (one-time costs: 1.6x a steady round on the 2-core CPU for
-    its first 5). Measured, they make drafting's first block look 1.6x slower than plain decoding's —
-    clear enough to decide at once — and the policy decodes plainly for the exploit period; left out
-    (``warmup``), it keeps drafting, which wins 2.5x."""
+    its first 5). Left out (``warmup``), they do not count: the policy keeps drafting, which wins 2.5x.
+    Measured, they make drafting's first block look slower than plain decoding's. By 1.6x (4x rounds), the
+    first decision's switch waits for the bracketing block of drafting, which runs warm, and drafting is
+    kept; by 3.2x (8x rounds: wider than a stall is taken for, ``_bracket_first_switch``) plain decoding is
+    chosen at once, for the whole exploit period."""
     policy = SpecPolicy("adaptive", window=4, exploit=6, settle=2, warmup=warmup)
-    # Drafting: 3 tokens in 1.2 units (2.5x plain's rate) once warm; the first 6 rounds cost 4x.
-    modes = simulate(policy, 60, spec_cost=1.2, spec_tokens=3, plain_cost=1.0, slow_rounds=6, slow_factor=4.0)
+    # Drafting: 3 tokens in 1.2 units (2.5x plain's rate) once warm; the first 6 rounds cost ``slow_factor``x.
+    modes = simulate(policy, 60, spec_cost=1.2, spec_tokens=3, plain_cost=1.0, slow_rounds=6, slow_factor=slow_factor)
     plain = modes[:50].count(False)
-    if warmup:
-        assert plain <= 10  # one plain block (and its settling rounds), then drafting
+    first = policy.trace()["trace"][0]["reason"]
+    if warmup or slow_factor == 4.0:
+        assert plain <= 10 and first == "drafting measured faster"  # one plain block (and its settling rounds)
     else:
-        assert plain >= 20  # the slow first block lost: plain for the whole exploit period
+        assert plain >= 20 and first == "plain decoding measured faster"  # the slow first block lost
 
 
 def test_warmup_rounds_are_not_measured() -> None:
@@ -269,12 +272,17 @@ def test_recorded_trace_where_drafting_wins() -> None:
 
 
 def test_recorded_trace_where_drafting_loses() -> None:
-    """c = 8 with a random draft: the policy measures one block of each, then decodes plainly; its cost
-    (the first drafting blocks) stays within 3 % of plain decoding over a 300-round run."""
+    """c = 8 with a random draft: the policy measures drafting, plain decoding and drafting again (the first
+    drafting window was 1.65x slower than plain decoding's, within what a stall could do: the first
+    decision's switch waits for the bracket, ``_bracket_first_switch``), then decodes plainly. Its cost,
+    those two drafting blocks, is 3.4 % of a 300-round run of plain decoding (1.5 % with one block, before
+    the bracket) and 1.1 % of a 900-round one."""
     policy = worker_policy()
     modes, rate = replay(policy, LOSES, 300)
     plain = fixed_rate(LOSES, False, 300)
-    assert rate >= 0.97 * max(plain, fixed_rate(LOSES, True, 300))
+    assert rate >= 0.96 * max(plain, fixed_rate(LOSES, True, 300))
+    modes, rate = replay(worker_policy(), LOSES, 900)
+    assert rate >= 0.985 * fixed_rate(LOSES, False, 900)
     assert modes[40:].count(False) >= 0.97 * len(modes[40:])
     decisions = policy.trace()["trace"]
     assert decisions[0]["mode"] == "plain" and decisions[0]["reason"] == "plain decoding measured faster"
@@ -935,3 +943,33 @@ def test_a_load_change_during_a_probe_resumes_drafting() -> None:
         assert policy.speculate()
         now += 0.013
         policy.record(True, 3, now, rows=1, draft_seconds=0.004, load=2)
+
+
+# c = 8 on the CPU (PP = 2, 2 micro-batches of 4 rows), 2026-12-03: one adaptive run's first drafting rounds,
+# slowed by a stall (10-12 ms; rounds of the same call settled at ~6.5), the drafting rounds of a settled
+# `always` run of that call, and that adaptive run's plain rounds (tokens, ms, rows, the draft's ms).
+C8S_STALLED: list[Round] = [(11, 10.246, 4, 2.224), (8, 10.831, 4, 2.341), (14, 11.947, 4, 5.237), (13, 10.723, 4, 2.315),
+                            (14, 11.122, 4, 3.213), (13, 7.289, 4, 2.052), (7, 12.108, 4, 2.336), (10, 11.65, 4, 2.237),
+                            (13, 12.632, 4, 2.398), (11, 11.852, 4, 2.267)]
+C8S_SETTLED: list[Round] = [(15, 6.359, 4, 1.918), (12, 6.167, 4, 1.885), (16, 6.478, 4, 2.014), (13, 6.306, 4, 1.91),
+                            (14, 6.899, 4, 2.249), (16, 6.448, 4, 1.914), (16, 6.369, 4, 1.939), (12, 8.053, 4, 2.763),
+                            (16, 7.989, 4, 2.091), (16, 6.261, 4, 1.881), (16, 6.14, 4, 1.796), (14, 6.619, 4, 2.389)]
+C8S_PLAIN: list[Round] = [(4, 3.297, 4, 0.0), (4, 3.205, 4, 0.0), (4, 3.371, 4, 0.0), (4, 3.306, 4, 0.0),
+                          (4, 3.484, 4, 0.0), (4, 3.631, 4, 0.0), (4, 3.244, 4, 0.0), (4, 3.205, 4, 0.0)]
+
+
+def test_a_stall_in_the_first_drafting_window_does_not_send_the_run_to_plain_decoding() -> None:
+    """The first window of drafting ran in a stall (856 tokens/s; the stall's rounds repeated so that they
+    fill the window after the warm-up) and plain decoding then measured 1.40x faster: clear by one block of
+    each. Before, plain decoding was chosen for an exploit period longer than the run (here: 0.58x always
+    drafting; the recorded run decoded 159 of its 174 rounds plainly, where settled drafting was 1.4x
+    faster). The first decision's switch waits for the bracketing drafting block now, which runs settled:
+    drafting is kept."""
+    spec = C8S_STALLED + C8S_STALLED[6:] + C8S_SETTLED * 12
+    policy = SpecPolicy("adaptive", settle=1, warmup=6, in_flight=2)
+    modes, rate = turns(policy, spec, C8S_PLAIN, 120, catch_up_ms=2.2)
+    _, always = turns(SpecPolicy("always"), spec, C8S_PLAIN, 120, catch_up_ms=2.2)
+    first = next(d for d in policy.trace()["trace"] if "measured faster" in d["reason"])
+    assert first["reason"] == "drafting measured faster", policy.trace()["trace"]
+    assert max(len(p) for p in plain_stretches(modes)) <= 1 + policy.window + 2  # settling, the block, in flight
+    assert modes[40:].count(False) <= 2 and rate >= 0.96 * always

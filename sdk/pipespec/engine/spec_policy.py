@@ -16,6 +16,10 @@ threshold for the same effect). ``--spec-policy adaptive`` measures instead of g
   per second) runs for ``exploit`` times the seconds the slower one cost in that cycle, then both are
   measured again. While the same mode keeps winning, that factor doubles (up to ``max_exploit``), so
   probing the losing mode costs at most 1/7 of the time at first, then a few percent;
+* a third window of the first mode brackets the other's unless the two already differ by ``clear``;
+  at a run's first decision a switch to plain decoding by less than ``clear``² waits for it anyway
+  (``_bracket_first_switch``: a stall in the run's first drafting window once sent a whole run to plain
+  decoding);
 * a change of load by ``load_ratio`` (2x) or more since the cycle began — the number of running
   sequences, when the engine passes it: sequences finishing, new ones arriving — is looked at again at
   once: rates measured with 8 sequences say little about 2 (on 2x H200 the sequences left at the end of
@@ -414,7 +418,8 @@ class SpecPolicy:
             # rounds), nor once plain decoding was measured in this cycle: the estimate stands in for that.
             self._measuring.insert(0, True)
             return
-        if self._measuring and spec.rounds and plain.rounds and self._clear(spec_rate, plain.rate):
+        if (self._measuring and spec.rounds and plain.rounds and self._clear(spec_rate, plain.rate)
+                and not self._bracket_first_switch(spec_rate, plain.rate)):
             self._measuring = []  # one block of each already tells them apart: no bracketing block
         if self._measuring:
             self._switch(self._measuring[0])
@@ -624,7 +629,7 @@ class SpecPolicy:
         """Both modes measured this cycle: run the faster for a time set by how much the slower costs, and
         keep the round-cost ratio for the load it was measured at."""
         measured_spec, measured_plain = self._measured[True], self._measured[False]
-        current = True if self._best is None else self._best  # hysteresis: the standing winner keeps ties
+        current = self._standing()  # hysteresis: the standing winner keeps ties
         other = plain if current else spec
         mine = spec if current else plain
         best = (not current) if other > mine * (1 + self.margin) else current
@@ -633,8 +638,9 @@ class SpecPolicy:
             # plain round less the draft's catch-up, not a pipeline settled into plain decoding (on the 2-core
             # CPU at c = 32 one measured 7 ms, the plain rounds after it 11-15). Measured on a plain block
             # proper before it is switched to (then decided on at once: drafting's figure stands).
+            # Then drafting again: a switch is decided on drafting measured on both sides of plain decoding.
             self._measured[False], self._spent[False], self._probe_measured = _Window(), 0.0, 0
-            self._measuring = [False]
+            self._measuring = [False, True]
             self._switch(False, probe=False)
             self._skip, self._block = self.settle, 0
             self._note(now, "plain decoding faster on a probe's round: measuring a plain block to confirm",
@@ -662,6 +668,21 @@ class SpecPolicy:
         self._switch(best)
         self._note(now, reason, speculate_tps=spec, plain_tps=plain, exploit_factor=self._factor,
                    **({"finish_scale": scale} if scale != 1.0 else {}))
+
+    def _bracket_first_switch(self, spec: float, plain: float) -> bool:
+        """Whether the first decision, a switch to plain decoding by less than ``clear``² (1.69x), waits for
+        the bracketing block of drafting although one block of each looks clear. The first decision sets the
+        longest exploit period of a run with nothing to check it (a plain win is watched only against the
+        drafting figure it was chosen over), and its drafting block is the run's earliest, when a stall hits
+        hardest: on the 2-core CPU at c = 8 one first window of drafting ran 10-12 ms rounds (7.5 settled),
+        plain decoding measured 1.54x faster than that, and 159 of the run's 174 rounds were decoded
+        plainly where drafting was 1.4x faster. A wider gap is not a stall's doing, and a bracket there
+        costs more (a window of a mode twice as slow): it is decided at once."""
+        return self._best is None and plain > spec and plain < spec * self.clear ** 2
+
+    def _standing(self) -> bool:
+        """The mode a switch is measured against: the last cycle's winner, speculating before the first."""
+        return True if self._best is None else self._best
 
     def _doubled_factor(self) -> float:
         """The exploit factor after another win of the same mode: twice the last one, within the bounds."""
