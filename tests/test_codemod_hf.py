@@ -2,8 +2,11 @@
 
 Unit examples are small sources written for these tests; goldens run the codemod on the installed
 transformers modeling files (llama, qwen2, gemma2 with layer_types, gpt2) and compare the adapted class
-with tests/golden/hf/<type>.py.golden. Regenerate the goldens (after reviewing the diff) with
-``python tests/test_codemod_hf.py --regen``.
+with the reviewed golden made from the same class source: tests/golden/hf/<release>/<type>.py.golden,
+whose header names the class source's sha256 (a release whose class source is unchanged, as 5.25 for
+all four, uses the golden of the release it was reviewed in). For a changed source,
+``python tests/test_codemod_hf.py --regen`` writes the installed release's goldens; review their diff
+against the previous release's before committing them.
 """
 
 from __future__ import annotations
@@ -525,14 +528,33 @@ def _installed(model_type: str) -> tuple[str, str, type]:
     return inspect.getsource(module), class_name, getattr(module, class_name)
 
 
+def golden_path(model_type: str, release: str | None = None) -> Path:
+    """tests/golden/hf/<release>/<type>.py.golden (``release``: the installed transformers by default)."""
+    return GOLDEN_DIR / (release or transformers.__version__) / f"{model_type}.py.golden"
+
+
+def source_digest(model_type: str) -> str:
+    """The sha256 of the installed class's source, as a golden's header names it."""
+    return hashlib.sha256(inspect.getsource(_installed(model_type)[2]).encode()).hexdigest()
+
+
+def reviewed_golden(model_type: str) -> Path | None:
+    """The golden made from the installed class source, in whichever release it was reviewed; None if none."""
+    digest = source_digest(model_type)
+    for path in sorted(GOLDEN_DIR.glob(f"*/{model_type}.py.golden")):
+        if path.read_text().splitlines()[0].endswith(f"class source sha256 {digest}"):
+            return path
+    return None
+
+
 def golden_text(model_type: str) -> str:
-    """What tests/golden/hf/<type>.py.golden holds: a provenance header and the adapted class."""
+    """What a golden holds: a provenance header and the adapted class."""
     source, class_name, cls = _installed(model_type)
     spec = infer_spec(cls, model_type)
     context = CodemodContext(full_module_name=GOLDEN_TYPES[model_type].split(":")[0])
     tree = AdaptHFStageForwardCommand(context, class_name, spec).transform_module(cst.parse_module(source))
     node = next(n for n in walk(tree, into_functions=True) if isinstance(n, cst.ClassDef) and n.name.value == class_name)
-    digest = hashlib.sha256(inspect.getsource(cls).encode()).hexdigest()
+    digest = source_digest(model_type)
     header = (
         f"# golden: {GOLDEN_TYPES[model_type]} from transformers {transformers.__version__}, class source sha256 {digest}\n"
         "# regenerate: python tests/test_codemod_hf.py --regen\n"
@@ -543,13 +565,14 @@ def golden_text(model_type: str) -> str:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("model_type", sorted(GOLDEN_TYPES))
 def test_installed_hf_source_matches_golden(model_type: str) -> None:
-    """The adapted class of the installed modeling file equals the reviewed golden output."""
-    path = GOLDEN_DIR / f"{model_type}.py.golden"
-    expected = path.read_text()
-    actual = golden_text(model_type)
-    stale = expected.splitlines()[0] != actual.splitlines()[0]
-    assert not stale, f"{path} was made from another transformers source ({expected.splitlines()[0]}); regenerate it"
-    assert actual == expected
+    """The adapted class of the installed modeling file equals the reviewed golden of that class source."""
+    path = reviewed_golden(model_type)
+    reviewed = sorted(p.parent.name for p in GOLDEN_DIR.glob(f"*/{model_type}.py.golden"))
+    assert path is not None, (
+        f"transformers {transformers.__version__} has a {GOLDEN_TYPES[model_type]} source no golden was reviewed for "
+        f"(goldens from {', '.join(reviewed)}): run `python tests/test_codemod_hf.py --regen` and review the diff")
+    # The header's first line names the release the golden was made in; the rest must be what the codemod writes now.
+    assert golden_text(model_type).splitlines()[1:] == path.read_text().splitlines()[1:]
 
 
 @pytest.mark.timeout(120)
@@ -575,16 +598,24 @@ def _classes(source: str) -> dict[str, str]:
 
 def test_gemma2_golden_indexes_layer_types_with_the_global_index() -> None:
     """gemma2's masks are per layer type: the stage loop must index layer_types with the global i."""
-    text = (GOLDEN_DIR / "gemma2.py.golden").read_text()
-    assert "for i in range(self.start_layer, self.end_layer):" in text
-    assert "causal_mask_mapping[self.config.layer_types[i]]" in text
+    goldens = sorted(GOLDEN_DIR.glob("*/gemma2.py.golden"))
+    assert goldens
+    for path in goldens:  # every reviewed release
+        text = path.read_text()
+        assert "for i in range(self.start_layer, self.end_layer):" in text, path
+        assert "causal_mask_mapping[self.config.layer_types[i]]" in text, path
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--regen"]:
-        GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
         for mt in sorted(GOLDEN_TYPES):
-            (GOLDEN_DIR / f"{mt}.py.golden").write_text(golden_text(mt))
-            print(f"wrote {GOLDEN_DIR / (mt + '.py.golden')}")
+            known = reviewed_golden(mt)
+            path = known or golden_path(mt)  # an unchanged class source keeps the release it was reviewed in
+            path.parent.mkdir(parents=True, exist_ok=True)
+            text = golden_text(mt)
+            if known is not None:
+                text = known.read_text().splitlines(keepends=True)[0] + "".join(text.splitlines(keepends=True)[1:])
+            path.write_text(text)
+            print(f"wrote {path}")
     else:
         print("usage: python tests/test_codemod_hf.py --regen")

@@ -7,11 +7,13 @@ at 0 and its masks are one step short — silently wrong decoding at PP >= 2.
 
 ``StageCache`` is a ``DynamicCache`` laid out over all N layers with global indices (the model's own
 attention code indexes the cache by its global ``layer_idx``), where every layer outside
-``[start_layer, end_layer)`` is a ``DummyLayer``. transformers already skips dummy layers when it looks
-for "the first attention layer", "the first full-attention layer" or "the first sliding layer", so every
-size query lands on this stage's first owned layer of the right kind, and a forward that strays into a
-layer it does not own fails loudly (a dummy layer refuses updates). It also stores nothing for other
-stages' layers.
+``[start_layer, end_layer)`` is a ``DummyLayer`` where transformers has one: it stores nothing for other
+stages' layers, and a forward that strays into a layer it does not own fails loudly (a dummy layer
+refuses updates). Every size query for a layer the stage does not own (``get_seq_length``,
+``get_mask_sizes``, ``get_query_offset``) is answered from the stage's first owned layer of the same
+kind (sliding or not). transformers 5.2x up to 5.24 skipped dummy layers in those queries itself; 5.25
+does not (``DynamicCache.get_seq_length(0)`` reads layer 0, and its ``DummyLayer`` has no
+``get_seq_length``), and 5.17 has no dummy layers, so the cache does it in every release.
 
 ``crop(max_length)`` keeps the first ``max_length`` positions (speculative rollback); a negative
 argument removes that many tokens (transformers 5.24's own ``crop`` convention).
@@ -42,6 +44,8 @@ class StageCache(DynamicCache):
         self.start_layer = start_layer
         self.end_layer = end_layer
         self.record_past = record_past
+        # Each layer's kind, read before other stages' layers become dummies (which have no kind).
+        self._sliding = [bool(getattr(layer, "is_sliding", False)) for layer in self.layers]
         if DummyLayer is not None:
             for idx in range(n):
                 if not start_layer <= idx < end_layer:
@@ -53,14 +57,14 @@ class StageCache(DynamicCache):
                 if isinstance(layer, DynamicSlidingWindowLayer):
                     layer.activate_past_recording()
 
-    # --- transformers without DummyLayer: answer size queries from this stage's own layers -------------
+    # --- size queries answer from this stage's own layers ----------------------------------------------
     def _owned(self, layer_idx: int) -> int:
         """``layer_idx`` if this stage owns it, else its first owned layer of the same kind (sliding or not)."""
-        if DummyLayer is not None or self.start_layer <= layer_idx < self.end_layer:
+        if self.start_layer <= layer_idx < self.end_layer:
             return layer_idx
-        sliding = getattr(self.layers[layer_idx], "is_sliding", False) if layer_idx < len(self.layers) else False
+        sliding = self._sliding[layer_idx] if 0 <= layer_idx < len(self._sliding) else False
         for idx in range(self.start_layer, self.end_layer):
-            if getattr(self.layers[idx], "is_sliding", False) == sliding:
+            if self._sliding[idx] == sliding:
                 return idx
         return self.start_layer
 
