@@ -165,7 +165,8 @@ def test_a_plain_dynamic_cache_on_a_later_stage_decodes_wrongly() -> None:
 
 
 def test_stage_cache_owns_only_its_layers_and_crops_to_an_absolute_length() -> None:
-    """Unowned layers are dummies (refuse updates); size queries answer from the first owned layer."""
+    """Unowned layers refuse updates (and are dummies where transformers has them); size queries answer
+    from the first owned layer, in every release."""
     decoder = tiny("llama")
     stage = stages_of(decoder, 3)[1]  # layers [1, 4)
     cache = new_stage_cache(stage)

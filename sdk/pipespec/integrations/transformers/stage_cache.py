@@ -68,6 +68,14 @@ class StageCache(DynamicCache):
                 return idx
         return self.start_layer
 
+    def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        """A layer this stage does not own refuses updates in every release (transformers' ``DummyLayer``
+        does so where it exists; 5.17-5.19 have none): a stage that strays into another's layers fails."""
+        if not self.start_layer <= layer_idx < self.end_layer and not (key_states is None and value_states is None):
+            raise NotImplementedError(f"layer {layer_idx} belongs to another pipeline stage: this stage's cache "
+                                      f"holds layers [{self.start_layer}, {self.end_layer})")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return super().get_seq_length(self._owned(layer_idx))
 
