@@ -8,8 +8,8 @@ at 0 and its masks are one step short — silently wrong decoding at PP >= 2.
 ``StageCache`` is a ``DynamicCache`` laid out over all N layers with global indices (the model's own
 attention code indexes the cache by its global ``layer_idx``), where every layer outside
 ``[start_layer, end_layer)`` is a ``DummyLayer`` where transformers has one: it stores nothing for other
-stages' layers, and a forward that strays into a layer it does not own fails loudly (a dummy layer
-refuses updates). Every size query for a layer the stage does not own (``get_seq_length``,
+stages' layers, and a forward that strays into a layer it does not own fails loudly (``update``
+refuses it, in every release). Every size query for a layer the stage does not own (``get_seq_length``,
 ``get_mask_sizes``, ``get_query_offset``) is answered from the stage's first owned layer of the same
 kind (sliding or not). transformers 5.2x up to 5.24 skipped dummy layers in those queries itself; 5.25
 does not (``DynamicCache.get_seq_length(0)`` reads layer 0, and its ``DummyLayer`` has no
