@@ -168,6 +168,17 @@ def _generate(target: Path, draft: Path, prompts_file: Path, k: int, new_tokens:
     return json.loads(proc.stdout)
 
 
+def _count(run: tuple[int, int, str], generated: dict[str, Any], measured: dict[int, dict[tuple[int, str], dict[str, Any]]],
+           rates: dict[tuple[int, int, str], list[float]], traces: dict[int, list[dict[str, Any]]]) -> None:
+    """One measured run into the tallies: the first repeat's outputs and stats, its tokens/s, and (adaptive)
+    its decision trace."""
+    c, k, policy = run
+    measured.setdefault(c, {}).setdefault((k, policy), generated)
+    rates.setdefault(run, []).append(float(generated["tokens_per_s"]))
+    if policy == "adaptive" and "policy_trace" in generated:
+        traces.setdefault(c, []).append(generated["policy_trace"])
+
+
 def run(quick: bool, device: str, command: str, pair: Path | None = None) -> list[Result]:
     runs, new_tokens = _sweep(quick, device)
     return measure(runs, new_tokens, _repeats(quick, device), device, command, pair,
@@ -209,10 +220,7 @@ def measure(runs: Sequence[tuple[int, int, str]], new_tokens: int, repeats: int,
                                                                "generate": generated})
             if not counted:  # the lead-in: the first measured run of this c has a run of this c before it
                 continue
-            measured.setdefault(c, {}).setdefault((k, policy), generated)  # the first repeat's outputs and stats
-            rates.setdefault((c, k, policy), []).append(float(generated["tokens_per_s"]))
-            if policy == "adaptive" and "policy_trace" in generated:
-                traces.setdefault(c, []).append(generated["policy_trace"])
+            _count((c, k, policy), generated, measured, rates, traces)
     results += policy_results(rates, traces, measured, new_tokens, what, dev, command, pp)
     if not speedups:
         return results
@@ -350,7 +358,7 @@ def pooled(paths: Sequence[Path], command: str) -> list[Result]:
             try:
                 row = json.loads(line)
                 c, k, policy, generated = int(row["c"]), int(row["k"]), str(row["spec_policy"]), row["generate"]
-                rate = float(generated["tokens_per_s"])
+                float(generated["tokens_per_s"])  # a run without its rate is not a run
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{number}: not a run of bench/p3_speedup.py ({type(exc).__name__}: {exc})") from None
             settings = {name: row.get(name) for name in POOLED_FIELDS}
@@ -362,10 +370,7 @@ def pooled(paths: Sequence[Path], command: str) -> list[Result]:
                                  f"{first[field]!r}; pool only runs of the same settings")
             if row.get("lead_in"):
                 continue
-            measured.setdefault(c, {}).setdefault((k, policy), generated)
-            rates.setdefault((c, k, policy), []).append(rate)
-            if policy == "adaptive" and "policy_trace" in generated:
-                traces.setdefault(c, []).append(generated["policy_trace"])
+            _count((c, k, policy), generated, measured, rates, traces)
     if first is None:
         raise ValueError(f"{', '.join(map(str, paths))}: no runs in them")
     machine = " + ".join(sorted(machines))

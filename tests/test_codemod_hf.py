@@ -533,14 +533,14 @@ def golden_path(model_type: str, release: str | None = None) -> Path:
     return GOLDEN_DIR / (release or transformers.__version__) / f"{model_type}.py.golden"
 
 
-def source_digest(model_type: str) -> str:
-    """The sha256 of the installed class's source, as a golden's header names it."""
-    return hashlib.sha256(inspect.getsource(_installed(model_type)[2]).encode()).hexdigest()
+def source_digest(cls: type) -> str:
+    """The sha256 of a class's source, as a golden's header names it."""
+    return hashlib.sha256(inspect.getsource(cls).encode()).hexdigest()
 
 
 def reviewed_golden(model_type: str) -> Path | None:
     """The golden made from the installed class source, in whichever release it was reviewed; None if none."""
-    digest = source_digest(model_type)
+    digest = source_digest(_installed(model_type)[2])
     for path in sorted(GOLDEN_DIR.glob(f"*/{model_type}.py.golden")):
         if path.read_text().splitlines()[0].endswith(f"class source sha256 {digest}"):
             return path
@@ -554,7 +554,7 @@ def golden_text(model_type: str) -> str:
     context = CodemodContext(full_module_name=GOLDEN_TYPES[model_type].split(":")[0])
     tree = AdaptHFStageForwardCommand(context, class_name, spec).transform_module(cst.parse_module(source))
     node = next(n for n in walk(tree, into_functions=True) if isinstance(n, cst.ClassDef) and n.name.value == class_name)
-    digest = source_digest(model_type)
+    digest = source_digest(cls)
     header = (
         f"# golden: {GOLDEN_TYPES[model_type]} from transformers {transformers.__version__}, class source sha256 {digest}\n"
         "# regenerate: python tests/test_codemod_hf.py --regen\n"

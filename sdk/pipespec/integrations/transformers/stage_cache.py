@@ -101,9 +101,6 @@ class StageCache(DynamicCache):
                     if isinstance(self.layers[idx], DynamicSlidingWindowLayer):
                         self.layers[idx].crop(0)
             return
-        if DummyLayer is not None:
-            super().crop(max_length - length)
-            return
         for idx in range(self.start_layer, self.end_layer):  # unowned layers hold nothing to crop
             self.layers[idx].crop(max_length - length)
 
