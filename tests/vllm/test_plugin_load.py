@@ -3,6 +3,10 @@
 Every case builds the run's config in vLLM's real front-end (plugin_scripts/engine_cases.py) with the
 plugin installed from pyproject's entry point; the errors must come from the front-end, before vLLM
 starts the engine core, so no weight is ever read. Cases that share an environment share a process.
+The release gate runs when vLLM loads the plugin (``compat.load``): checked here on the installed vLLM
+with its version string changed in the process (its tree stays the real one); the gate's decisions on
+0.33 / 0.34 sources and modified trees are tests/test_vllm_compat_sources.py. EAGLE3 over PP (the V1
+runner's refusal, or the run itself) is tests/vllm/test_plugin_pp_eagle3.py.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from pipespec.errors import UsageError
-from pipespec.integrations.vllm.patches import PATCHES, TESTED_VERSIONS, check_vllm_version
+from pipespec.integrations.vllm.compat import TESTED_RELEASES, Gate, load
+from pipespec.integrations.vllm.compat.releases import RELEASE_MODULES
+from pipespec.integrations.vllm.patches import PATCHES
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "plugin_scripts"
@@ -69,7 +74,6 @@ def test_engine_load_decisions_and_errors_before_the_engine_starts(models: dict[
         {"name": "aux_ids_beyond_layers", "model": mixtral, "draft": str(models["bad_draft"])},
         {"name": "spec_names_missing_class", "model": mixtral, "draft": draft,
          "env": {"PIPESPEC_ADAPTERS_PATH": str(models["specs"])}},
-        {"name": "eagle3_over_pp_on_v1_runner", "model": mixtral, "draft": draft, "pp": 2},
         # last: the adapted class stays registered in this process (later lookups get it, as vLLM's would)
         {"name": "mixtral_adapted", "model": mixtral, "draft": draft, "config_only": True},
     ], tmp_path)
@@ -90,10 +94,6 @@ def test_engine_load_decisions_and_errors_before_the_engine_starts(models: dict[
     assert missing["message"].startswith("MixtralForCausalLM does not support eagle3: ")
     assert "mixtral_vllm.toml: adapter.decoder_class = 'vllm.model_executor.models.mixtral:MixtralDecoderStack'" in missing["message"]
 
-    runner = results["eagle3_over_pp_on_v1_runner"]
-    assert (runner["ok"], runner["type"]) == (False, "UnsupportedModelError")
-    assert "eagle3 over PP=2 cannot run on vLLM's V1 model runner" in runner["message"]
-
 
 def test_switch_off_is_a_no_op_and_a_typo_is_one_error(models: dict[str, Path], tmp_path: Path) -> None:
     """PIPESPEC_VLLM=off leaves the run to vLLM; PIPESPEC_VLLM=bogus stops it when the plugin loads."""
@@ -106,28 +106,69 @@ def test_switch_off_is_a_no_op_and_a_typo_is_one_error(models: dict[str, Path], 
     assert bogus["mixtral"]["message"] == "PIPESPEC_VLLM='bogus': use 1 (on) or 0 (off)"
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "nightly"])
-def test_untested_vllm_version_is_refused_in_one_line(version: str) -> None:
-    """A vLLM outside the tested range stops the plugin, naming the range and the way out."""
-    with pytest.raises(UsageError, match=rf"tested on vLLM 0\.32\.0 \(>=0\.32\.0,<0\.33\), this is vLLM {version}: .*PIPESPEC_VLLM=off"):
-        check_vllm_version(version)
+GATE = """
+import json, sys
+import vllm
+from pipespec.errors import UsageError
+from pipespec.integrations.vllm import compat, plugin
+for version in sys.argv[1:]:
+    vllm.__version__ = version
+    compat._CHOSEN.clear()
+    try:
+        plugin.register()
+        print(json.dumps({"version": version, "ok": True, "module": compat.load().module}))
+    except UsageError as exc:
+        print(json.dumps({"version": version, "ok": False, "message": str(exc)}))
+"""
 
 
-@pytest.mark.parametrize("version", [*TESTED_VERSIONS, "0.32.1", "0.32.0+cpu"])
-def test_tested_vllm_versions_pass(version: str) -> None:
-    check_vllm_version(version)
+def test_the_plugin_gates_the_installed_vllm_when_it_loads() -> None:
+    """The installed release passes with its own rules; the same tree named older, or newer (its V1 runner is
+    not what the newest rules assume), is refused in one line naming the way out."""
+    assert load().gate is Gate.TESTED
+    versions = ["0.32.0", "0.32.3+cpu", "0.31.2", "0.35.0"]
+    env = {k: v for k, v in os.environ.items() if k != "PIPESPEC_VLLM"}
+    done = subprocess.run([sys.executable, "-c", GATE, *versions], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=ROOT)
+    lines = {r["version"]: r for r in map(json.loads, [ln for ln in done.stdout.splitlines() if ln.startswith("{")])}
+    assert done.returncode == 0 and len(lines) == len(versions), (done.stdout + done.stderr)[-3000:]
+    for tested in versions[:2]:
+        assert lines[tested] == {"version": tested, "ok": True, "module": RELEASE_MODULES[(0, 32)]}
+    older, newer = lines["0.31.2"], lines["0.35.0"]
+    assert not older["ok"] and "needs vLLM >= 0.32 (tested on 0.32–0.34), this is vLLM 0.31.2" in older["message"]
+    assert not newer["ok"] and "cannot run on vLLM 0.35.0: its contract differs" in newer["message"]
+    assert "runner fact v1_runner is True (the 0.34 rules assume False)" in newer["message"]
+    for refused in (older, newer):
+        assert "\n" not in refused["message"] and refused["message"].endswith("PIPESPEC_VLLM=off to run vLLM without pipespec")
 
 
 def test_every_patch_names_why_how_and_its_removal() -> None:
-    """The patch list is the plugin's contract with vLLM: each entry complete, each symbol real."""
+    """The patch list is the plugin's contract with vLLM: each entry complete, each symbol real in this vLLM
+    when it names this release (the other releases' sources: tests/test_vllm_compat_sources.py)."""
     import importlib
 
+    import vllm
+
+    here = next(r for r in TESTED_RELEASES if r.rsplit(".", 1)[0] == vllm.__version__.rsplit(".", 1)[0])
+    checked = 0
     for patch in PATCHES:
-        assert patch.tested == TESTED_VERSIONS and patch.why and patch.how and patch.upstream and patch.removal
-        module, _, attr = patch.symbol.rpartition(".")
-        try:
-            owner: object = importlib.import_module(module)
-        except ImportError:
-            owner_module, _, owner_name = module.rpartition(".")
-            owner = getattr(importlib.import_module(owner_module), owner_name)
-        assert hasattr(owner, attr), patch.symbol
+        assert patch.tested and set(patch.tested) <= set(TESTED_RELEASES), patch.symbol
+        assert patch.why and patch.how and patch.upstream and patch.removal and patch.where
+        if here not in patch.tested:
+            continue
+        parts = patch.symbol.split(".")
+        cut = 1
+        while cut < len(parts):  # the longest importable module prefix
+            try:
+                importlib.import_module(".".join(parts[: cut + 1]))
+            except ImportError:
+                break
+            cut += 1
+        owner: object = importlib.import_module(".".join(parts[:cut]))
+        for attr in parts[cut:]:
+            if attr in getattr(owner, "__dataclass_fields__", {}) and not hasattr(owner, attr):
+                break  # a dataclass field with a default factory (ModelConfig.model_class_overrides)
+            assert hasattr(owner, attr), patch.symbol
+            owner = getattr(owner, attr)
+        checked += 1
+    assert checked >= 10

@@ -55,14 +55,15 @@ def run_vllm(args: argparse.Namespace) -> int:
 
 
 def _require_vllm() -> str:
-    """vLLM's version, or a UsageError with the one line that says where to run this."""
+    """vLLM's version, or a UsageError with the one line that says where to run this (or why this vLLM is
+    refused: the plugin's gate, ``compat.load``, with the zoo harness's symbols in the contract)."""
     try:
         import vllm
-        from vllm.model_executor.models.interfaces import EagleModelMixin
     except ImportError:
         raise UsageError(NEEDS_VLLM) from None
-    if not hasattr(EagleModelMixin, "pack_local_aux_hidden_states"):
-        raise UsageError(f"{NEEDS_VLLM} (found vLLM {vllm.__version__} without EagleModelMixin.pack_local_aux_hidden_states)")
+    from pipespec.integrations.vllm import compat
+
+    compat.load(compat.Scope.ZOO)
     return str(vllm.__version__)
 
 

@@ -4,10 +4,11 @@
 ``pipespec verify --engine vllm`` prints); ``apply_to_engine_config(vllm_config)`` is the engine-load step
 the plugin's one patch calls right after vLLM builds its config, in the front-end:
 
-* no EAGLE3-family method (eagle3, dflash, dspark) → nothing;
+* no method that reads aux hidden states (as the release decides it: ``compat``; eagle3, dflash, dspark,
+  extract_hidden_states, and on 0.34 any method whose config says so) → nothing;
 * the draft's aux ids outside the target's layers → ``UsageError``;
-* PP > 1 on vLLM's V1 model runner (it builds the drafter on the last rank only and never relays aux
-  states; only the V2 runner, which needs Triton, does) → ``UnsupportedModelError`` naming the runner;
+* PP > 1 on a runner that does not relay aux states (vLLM 0.32/0.33's V1 runner: the drafter on the last
+  rank only, no relay; only the V2 runner relays) → ``UnsupportedModelError`` naming the runner;
 * the class already supports the run (``judge_vllm_class``: decided on the class itself, not on an
   inherited flag) → nothing;
 * else the class's own module is adapted with the vLLM-native codemod, the result is verified, and its
@@ -23,11 +24,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipespec.errors import PipespecError, UnsupportedModelError, UsageError
+from pipespec.integrations.vllm import compat
 from pipespec.integrations.vllm.adapted_modules import adapted_module_name, install_finder
 from pipespec.integrations.vllm.support import judge_vllm_class
-
-EAGLE3_FAMILY = ("eagle3", "dflash", "dspark")
-RUNNER_V1 = "V1 model runner"
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class Decision:
 
     architecture: str
     cls: str  # module:Class vLLM resolves the architecture to
-    decision: str  # "supported" | "adapt" | "refuse" | "skip" (no EAGLE3-family method asked for)
+    decision: str  # "supported" | "adapt" | "refuse" | "skip" (no method that reads aux states asked for)
     reason: str
     spec: str | None = None  # the adapter spec behind "adapt": "built-in gemma2", "inferred", ...
     target: str | None = None  # module:Class of the adapted class ("adapt" only)
@@ -69,8 +68,10 @@ def decide(architecture: str, cls: type, method: str = "eagle3", pp: int = 1) ->
     so "adapt" is only answered for a class that passed the same check afterwards.
     """
     path = _class_path(cls)
-    if method not in EAGLE3_FAMILY:
-        return Decision(architecture, path, "skip", f"{method!r} is not an EAGLE3-family method ({', '.join(EAGLE3_FAMILY)})")
+    release = compat.current()
+    if not release.method_uses_aux(method):
+        return Decision(architecture, path, "skip", f"{method!r} reads no aux hidden states in vLLM {release.name} "
+                                                    f"({', '.join(release.AUX_METHODS)} do)")
     before = judge_vllm_class(cls, pp=pp)
     drops_aux = False  # a forward known to return no aux states: never left to vLLM's own check
     if before.supported and pp == 1:
@@ -119,30 +120,19 @@ def _vllm_own_or_refuse(architecture: str, cls: type, pp: int, drops_aux: bool, 
 
 
 def v2_runner_available(vllm_config: Any | None = None) -> bool:
-    """Whether vLLM would use its V2 model runner (the only one that relays aux states over PP)."""
-    if vllm_config is not None:
-        return bool(vllm_config.use_v2_model_runner)
-    import vllm.envs as envs
-    from vllm.triton_utils import HAS_TRITON
-
-    chosen = envs.VLLM_USE_V2_MODEL_RUNNER
-    return bool(chosen) if chosen is not None else bool(HAS_TRITON)
+    """Whether the run's model runner relays aux states over PP (the release decides: ``compat``)."""
+    return compat.current().relays_aux_over_pp(vllm_config)
 
 
-def runner_refusal(method: str, pp: int) -> str:
-    """The one line for EAGLE3-family methods over PP on vLLM's V1 model runner."""
-    return (
-        f"pipespec: {method} over PP={pp} cannot run on vLLM's {RUNNER_V1} (the one this build uses: the V2 "
-        "runner needs Triton): it creates the drafter on the last rank only and never relays aux hidden "
-        "states between ranks. Use PP=1, or vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, a GPU build)"
-    )
+def runner_refusal(method: str, pp: int, vllm_config: Any | None = None) -> str:
+    """The one line for an aux-state method over PP on a runner that does not relay them."""
+    release = compat.current()
+    return release.runner_refusal(method, pp, release.runner_for(vllm_config))
 
 
 def draft_aux_ids(speculative_config: Any) -> tuple[int, ...] | None:
     """The aux ids the draft asks for, read the way vLLM reads them (None: the target's defaults)."""
-    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
-
-    return get_eagle3_aux_layers_from_config(speculative_config)
+    return compat.current().draft_aux_ids(speculative_config)
 
 
 def check_draft_aux_ids(speculative_config: Any, num_layers: int) -> None:
@@ -166,8 +156,8 @@ def apply_to_engine_config(vllm_config: Any) -> Decision | None:
     from pipespec.integrations.vllm.patches import forget_cached_architectures
 
     speculative = vllm_config.speculative_config
-    method = getattr(speculative, "method", None)
-    if speculative is None or method not in EAGLE3_FAMILY:
+    method = compat.current().aux_method(speculative)
+    if method is None:
         return None
     model_config = vllm_config.model_config
     pp = vllm_config.parallel_config.pipeline_parallel_size
@@ -175,7 +165,7 @@ def apply_to_engine_config(vllm_config: Any) -> Decision | None:
     if isinstance(num_layers, int):
         check_draft_aux_ids(speculative, num_layers)
     if pp > 1 and not v2_runner_available(vllm_config):
-        raise UnsupportedModelError(runner_refusal(method, pp))
+        raise UnsupportedModelError(runner_refusal(method, pp, vllm_config))
     cls, architecture = model_config.registry.resolve_model_cls(model_config.architectures, model_config=model_config)
     if parse_target(model_config.model_class_overrides.get(architecture)):
         return None  # already applied to this config (create_engine_config called twice)
@@ -227,7 +217,7 @@ def verify_architecture(architecture: str | None, method: str, pp: int, cls: typ
                             f"{architecture}: vLLM's class {where} cannot be imported here ({type(exc).__name__}: "
                             f"{exc}), so pipespec can neither check nor adapt it; install what it needs and retry")
     name = architecture or cls.__name__
-    if method in EAGLE3_FAMILY and pp > 1 and not v2_runner_available():
+    if compat.current().method_uses_aux(method) and pp > 1 and not v2_runner_available():
         return Decision(name, _class_path(cls), "refuse", runner_refusal(method, pp))
     return decide(name, cls, method, pp)
 

@@ -134,25 +134,26 @@ def _reregistration(original: str) -> Iterator[None]:
     model still gets the installed classes), and a custom op already defined is not defined again (the
     copy's op function is the same source).
     """
-    from vllm.model_executor import custom_op
-    from vllm.utils import torch_utils
+    from pipespec.integrations.vllm.compat import current
 
-    registry = custom_op.op_registry
+    release = current()  # both are listed in patches.PATCHES (scope zoo)
+    registry = release.custom_op_registry()
     mine = {k: v for k, v in registry.items() if getattr(v, "__module__", None) == original}
     for key in mine:
         del registry[key]
-    register = torch_utils.direct_register_custom_op
 
-    def register_once(op_name: str, *args: Any, **kwargs: Any) -> None:
-        if hasattr(torch.ops.vllm, op_name):
-            return
-        register(op_name, *args, **kwargs)
+    def once(register: Any) -> Any:
+        def register_once(op_name: str, *args: Any, **kwargs: Any) -> None:
+            if hasattr(torch.ops.vllm, op_name):
+                return
+            register(op_name, *args, **kwargs)
 
-    torch_utils.direct_register_custom_op = register_once
+        return register_once
+
     try:
-        yield
+        with release.custom_op_registration(once):
+            yield
     finally:
-        torch_utils.direct_register_custom_op = register
         registry.update(mine)
 
 

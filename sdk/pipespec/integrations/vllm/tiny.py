@@ -243,9 +243,9 @@ def _hf_class_to_type() -> dict[str, str]:
 
 
 def _vllm_config_classes() -> dict[str, Any]:
-    from vllm.transformers_utils.config import _CONFIG_REGISTRY
+    from pipespec.integrations.vllm.compat import current
 
-    return _CONFIG_REGISTRY  # type: ignore[no-any-return]
+    return current().config_registry()
 
 
 def model_type_of(architecture: str, file_stem: str) -> str | None:
