@@ -198,3 +198,10 @@ def test_a_newer_release_whose_runners_differ_from_the_newest_rules_is_refused(t
     assert verdict.gate is Gate.REFUSED
     assert "vllm.config.speculative.SpeculativeConfig.uses_aux_hidden_states" in verdict.missing
     assert "runner fact v1_runner is True (the 0.34 rules assume False)" in verdict.missing
+
+
+def test_the_docs_table_names_every_patch() -> None:
+    """docs/vllm.md "What it patches" names each ``PATCHES`` symbol in full (the register and its reference agree)."""
+    text = (ROOT / "docs" / "vllm.md").read_text(encoding="utf-8")
+    section = text.split("## What it patches", 1)[1].split("\n## ", 1)[0]
+    assert [p.symbol for p in PATCHES if f"`{p.symbol}`" not in section] == []
