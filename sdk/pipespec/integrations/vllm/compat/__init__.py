@@ -15,13 +15,7 @@ from pathlib import Path
 
 from pipespec.errors import UsageError
 from pipespec.integrations.vllm.compat.gate import Gate, GateVerdict, decide_gate, release_class
-from pipespec.integrations.vllm.compat.releases import (
-    RELEASE_MODULES,
-    TESTED_RANGE,
-    TESTED_RELEASES,
-    Scope,
-    minor_of,
-)
+from pipespec.integrations.vllm.compat.releases import RELEASE_MODULES, TESTED_RANGE, TESTED_RELEASES, Scope
 from pipespec.integrations.vllm.compat.v0_32 import Runner, Vllm032
 
 __all__ = ["Gate", "GateVerdict", "Runner", "Scope", "TESTED_RANGE", "TESTED_RELEASES", "Vllm032", "current",
@@ -60,8 +54,3 @@ def current() -> Vllm032:
     load()
     return _CHOSEN[Scope.PLUGIN.value][1]
 
-
-def release(version: str) -> Vllm032 | None:
-    """The rules of a tested release by its version string (None when the minor is not a tested one)."""
-    minor = minor_of(version)
-    return release_class(minor)() if minor in RELEASE_MODULES else None

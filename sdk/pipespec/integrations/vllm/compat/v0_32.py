@@ -70,7 +70,7 @@ class Vllm032:
         """The one line for an aux-state method over PP on a runner that does not relay them."""
         return (
             f"pipespec: {method} over PP={pp} cannot run on vLLM's {runner.value} (the one vLLM {self.name} picks "
-            "for this run: the V2 runner needs Triton and not every feature): it creates the drafter on the last "
+            "for this run: the V2 runner needs Triton and lacks some features): it creates the drafter on the last "
             "rank only and never relays aux hidden states between ranks. Use PP=1, or vLLM's V2 model runner "
             "(VLLM_USE_V2_MODEL_RUNNER=1, a GPU build)"
         )
