@@ -1,7 +1,7 @@
 """The vLLM zoo's harness and CLI against the real vLLM CPU build (real classes, real processes, no mocks).
 
-One module-wide pool (a PP=1 worker and a PP=2 pair in vLLM's own gloo process groups) serves the
-harness tests; the CLI tests run the installed ``pipespec`` in subprocesses.
+One module-wide pool (a PP=1 worker, a PP=2 pair and a PP=3 trio in vLLM's own gloo process groups) serves
+the harness tests; the CLI tests run the installed ``pipespec`` in subprocesses.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
 from pipespec.contract.layout import plan_layout
 from pipespec.integrations.vllm.harness import Job
+from pipespec.integrations.vllm.pp_ranks import PipelineError, max_error, pp3_ids, pp3_partition, run_pipeline
 from pipespec.integrations.vllm.tiny import tiny_vllm_config, write_model_dir
 from pipespec.integrations.vllm.zoo import (
     STATUSES,
@@ -64,16 +65,106 @@ def _row(job: Job) -> ZooResult:
 
 
 @pytest.mark.timeout(240)
-def test_llama_as_shipped_is_supported_at_pp1_and_pp2(pool: WorkerPool) -> None:
-    """vLLM's own llama.py packs the planned keys at PP=2 and its aux states equal the residual stream."""
+def test_llama_as_shipped_is_supported_at_pp1_pp2_and_pp3(pool: WorkerPool) -> None:
+    """vLLM's own llama.py packs the planned keys at PP=2 and PP=3 (its middle rank relayed by vLLM's
+    PPHandler) and its aux states equal the residual stream."""
     row = _row(_job("llama", "LlamaForCausalLM", None))
     _check(pool, _job("llama", "LlamaForCausalLM", None), row)
     assert row.status == "supported", row.reason
     assert row.num_layers == 6 and row.aux_layers == (0, 3, 4, 6)
     assert row.sends_stage0 == tuple(plan_layout(6, 2, (0, 3, 4, 6)).stage(0).sends) == (
         "aux_hidden_states_0", "aux_hidden_states_1")
-    assert row.max_abs_err_pp1 is not None and row.max_abs_err_pp1 <= 1e-5
+    assert row.partition_pp3 == (2, 3, 1) and row.aux_layers_pp3 == (0, 2, 3, 5, 6)
+    plan3 = plan_layout(6, 3, row.aux_layers_pp3, row.partition_pp3)
+    assert row.sends_pp3_stage0 == plan3.stage(0).sends
+    assert row.sends_pp3_stage1 == plan3.stage(1).sends == tuple(f"aux_hidden_states_{i}" for i in range(4))
+    for err in (row.max_abs_err_pp1, row.max_abs_err_pp2, row.max_abs_err_pp3):
+        assert err is not None and err <= 1e-5
+
+
+def test_pp3_ids_put_an_id_on_every_boundary_and_give_the_middle_rank_both_kinds_of_keys() -> None:
+    """For every tiny depth, the PP=3 ids hold 0, N and each stage boundary, and the middle stage both
+    relays upstream keys and packs its own (so the check exercises the relay and the slot base)."""
+    for n in range(3, 9):
+        partition = pp3_partition(n)
+        plan = plan_layout(n, 3, pp3_ids(n, partition), partition)
+        assert {0, n, plan.stage(0).end_layer, plan.stage(1).end_layer} <= set(plan.aux_layers)
+        middle = plan.stage(1)
+        assert middle.relays and middle.own_keys and middle.sends == middle.relays + middle.own_keys
+    with pytest.raises(ValueError, match="at least 3 decoder layers"):
+        pp3_partition(2)
+
+
+def _adapted(rel: str) -> Job:
+    (file, outcome, code, source), = adapt_files([rel])
+    job, why = _jobs_for(file, outcome, code, source)
+    assert job is not None and code is not None, why
+    return job
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rel", ["model_executor/models/llama.py", "model_executor/models/gpt2.py",
+                                 "model_executor/models/mixtral.py"])
+def test_pp3_each_rank_matches_the_plan_and_the_last_rank_the_pp1_reference(pool: WorkerPool, rel: str) -> None:
+    """Llama (a residual), GPT-2 adapted (none) and Mixtral adapted (MoE) over three gloo ranks: every rank's
+    receive slots, vLLM's relay keys, what it packs and what it sends equal plan_layout's stage, and the last
+    rank's aux states equal the PP=1 residual stream at ids on both stage boundaries and id 0."""
+    job = _job("llama", "LlamaForCausalLM", None) if rel.endswith("llama.py") else _adapted(rel)
+    kind, pp1 = pool.ask("pp1", ("pp1", (job,)))
+    assert kind == "ok", pp1
+    n = pp1["num_layers"]
+    partition = pp3_partition(n)
+    ids = pp3_ids(n, partition)
+    run = run_pipeline(pool, job, ids, n, 3, partition)
+    plan = plan_layout(n, 3, ids, partition)
+    for stage, rank in zip(plan.stages, run.ranks):
+        assert (rank["start"], rank["end"]) == (stage.start_layer, stage.end_layer)
+        assert tuple(rank["receives"]) == stage.receives
+        assert tuple(rank["relays"]) == stage.relays
+        assert tuple(rank["packed"]) == (() if stage.is_last else stage.own_keys)
+        assert run.sends(stage.rank) == stage.sends
+    assert run.ranks[1]["relays"] and run.ranks[1]["packed"]  # the middle rank does both
+    assert len(run.aux) == len(ids)
+    worst, err = max_error(run, pp1["reference"])
+    assert err <= 1e-5, (worst, err)
+
+
+def _edited_llama(pattern: str, replacement: str) -> Job:
+    code, edits = re.subn(pattern, replacement, _source("llama"))
+    assert edits == 1
+    return _job("llama", "LlamaForCausalLM", code)
+
+
+@pytest.mark.timeout(240)
+def test_relative_slots_pass_pp2_and_fail_pp3_on_the_middle_rank(pool: WorkerPool) -> None:
+    """A decoder that packs its aux states from slot 0 instead of its stage's slot base (the relative-index
+    bug) is right at PP=2, where only rank 0 packs; at PP=3 its middle rank packs keys that collide with the
+    ones it relays, and the check names the rank and both key lists."""
+    job = _edited_llama(r"\*\*self\.pack_local_aux_hidden_states\(aux_hidden_states\)",
+                        '**{f"{self.AUX_HIDDEN_STATE_KEY}{i}": t for i, t in enumerate(aux_hidden_states)}')
+    row = _row(job)
+    _check(pool, job, row)
     assert row.max_abs_err_pp2 is not None and row.max_abs_err_pp2 <= 1e-5
+    assert row.status == "failed"
+    assert row.reason == ("PP=3 (partition [2, 3, 1]) rank 1 packs (its own aux states) ['aux_hidden_states_0', "
+                          "'aux_hidden_states_1'], the layout plan says ['aux_hidden_states_2', 'aux_hidden_states_3'] "
+                          "(ids [0, 2, 3, 5, 6])"), row.reason
+
+
+@pytest.mark.timeout(240)
+def test_receive_buffers_without_a_sent_key_fail_on_that_rank_without_blocking_the_next(pool: WorkerPool) -> None:
+    """Receive buffers that lack the residual rank 0 sends (the runner would drop it): the middle rank
+    reports it, passes the failure on instead of its tensors, and the pool answers the next request as usual."""
+    job = _edited_llama(r'\["hidden_states", "residual"\], config\.hidden_size', '["hidden_states"], config.hidden_size')
+    partition = pp3_partition(6)
+    ids = pp3_ids(6, partition)
+    with pytest.raises(PipelineError) as failed:
+        run_pipeline(pool, job, ids, 6, 3, partition)
+    assert str(failed.value).startswith(f"PP=3 (partition {list(partition)}) rank 1: rank 0 sends residual, which its "
+                                        "receive buffers do not hold"), failed.value
+    assert "vLLM's runner would drop it" in str(failed.value)
+    run = run_pipeline(pool, _job("llama", "LlamaForCausalLM", None), ids, 6, 3, partition)
+    assert run.sends(1) == plan_layout(6, 3, ids, partition).stage(1).sends
 
 
 @pytest.mark.timeout(240)

@@ -1,7 +1,8 @@
 """Build one vLLM model tiny inside vLLM on CPU and check its EAGLE3 aux states numerically.
 
 One process = one PP rank of vLLM's own process groups (gloo on 127.0.0.1, ``init_distributed_environment``
-+ ``initialize_model_parallel``), kept alive while the zoo streams models through it (``serve``):
++ ``initialize_model_parallel``), kept alive while the zoo streams models through it
+(``pipespec.integrations.vllm.zoo_workers``):
 
 - ``check_pp1``: the model under test (an adapted class, or the installed one) and the unadapted
   reference are built by vLLM (``initialize_model`` under ``set_current_vllm_config``) from the same
@@ -11,9 +12,9 @@ One process = one PP rank of vLLM's own process groups (gloo on 127.0.0.1, ``ini
   layer L, ``hidden_states + residual``; id N is the last layer's output before the norm), max abs error
   <= ``ATOL`` in float32. It also checks ``supports_eagle3(model)`` and that the decoder class itself (its
   ``__dict__``) sets ``supports_aux_hidden_states_over_pp = True``.
-- ``run_stage``: rank r of a PP=2 pair builds its stage of the model under test; rank 0 returns the
-  ``IntermediateTensors`` it would send, rank 1 runs on them and returns its aux states. The zoo
-  compares the keys with ``pipespec.contract.layout.plan_layout`` and the values with the PP=1 reference.
+- ``build`` / ``_forward``: what each rank of a PP=2 or PP=3 run uses to build and run its stage of the
+  model under test (``pipespec.integrations.vllm.pp_ranks``, which drives the ranks as vLLM's V2 runner
+  does and compares them with ``pipespec.contract.layout.plan_layout`` and the PP=1 reference).
 
 Attention: vLLM's attention backends need the metadata and KV cache its model runner builds; without
 them (``set_forward_context(None, ...)``, vLLM's profiling mode) the CPU backend returns the
@@ -32,7 +33,6 @@ import dataclasses
 import importlib
 import inspect
 import os
-import resource
 import sys
 import tempfile
 import types
@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 
-from pipespec.errors import one_line
 from pipespec.integrations.vllm.reference_stream import (
     ATOL,
     AuxCheckError,
@@ -52,11 +51,9 @@ from pipespec.integrations.vllm.reference_stream import (
     record_stream,
 )
 
-__all__ = ["ATOL", "Job", "check_pp1", "init_rank", "run_stage", "serve", "zoo_ids"]
+__all__ = ["ATOL", "AuxCheckError", "Built", "Job", "build", "check_pp1", "init_rank", "set_model_root", "zoo_ids"]
 
 NUM_TOKENS = 7
-#: Heap limit of a zoo worker (an idle one holds ~0.9 GB with vLLM imported).
-WORKER_MEMORY_BYTES = 3 << 30
 AUX_PREFIX = "aux_hidden_states_"
 
 
@@ -86,6 +83,12 @@ def init_rank(world_size: int, rank: int, init_method: str) -> None:
     """Join vLLM's process groups (gloo, CPU) as ``rank`` of ``world_size`` PP ranks (TP = 1)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # vLLM's CPU worker sets VLLM_DIST_IDENT to its group's port so that, once vLLM's C ops are loaded, the
+    # ranks of a group share a shared-memory communicator, whose send_tensor_dict carries tensors only. A
+    # name of its own per rank makes vLLM fall back to torch.distributed over gloo ("ranks do not share the
+    # same SHM group name"), which carries any value (a failed rank's message) and leaves no /dev/shm
+    # segment behind a killed worker: the same transport whether or not the C ops are loaded yet.
+    os.environ["VLLM_DIST_IDENT"] = f"pipespec-zoo-{os.getpid()}"
     torch.set_num_threads(1)
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
@@ -210,9 +213,14 @@ def _rebound_holder(job: Job, adapted: types.ModuleType) -> types.ModuleType:
 
 # ------------------------------------------------------------------------------------ building
 _MODEL_DIRS: dict[str, str] = {}
-#: Where this process writes its tiny model directories (``serve`` points it into the pool's temp dir,
-#: which the parent removes).
+#: Where this process writes its tiny model directories (``set_model_root``).
 _MODEL_ROOT: list[str | None] = [None]
+
+
+def set_model_root(path: str) -> None:
+    """Write this process's tiny model directories under ``path`` (a zoo worker: the pool's temp dir,
+    which the parent removes)."""
+    _MODEL_ROOT[0] = path
 
 
 def _model_dir(job: Job) -> str:
@@ -438,67 +446,3 @@ def check_pp1(job: Job) -> dict[str, Any]:
     if decoder_cls.__dict__.get("supports_aux_hidden_states_over_pp") is not True:
         raise AuxCheckError(f"{decoder_cls.__name__} does not set supports_aux_hidden_states_over_pp = True on itself")
     return result
-
-
-def run_stage(job: Job, ids: tuple[int, ...], received: dict[str, Any] | None) -> dict[str, Any]:
-    """This rank's stage of the model under test on the zoo input.
-
-    Rank 0 returns ``{"start", "end", "keys": [every key it sends, in order], "tensors": {key: ndarray}}``;
-    a later rank takes rank 0's tensors as ``received`` and returns ``{"start", "end", "aux": [ndarray]}``.
-    """
-    from vllm.distributed.parallel_state import get_pp_group
-    from vllm.sequence import IntermediateTensors
-
-    tested_cls, _ = _classes(job)
-    built = build(tested_cls, job)
-    built.model.set_aux_hidden_state_layers(ids)
-    start, end = int(built.decoder.start_layer), int(built.decoder.end_layer)
-    pp = get_pp_group()
-    if pp.is_first_rank:
-        out = _forward(built)
-        if not isinstance(out, IntermediateTensors):
-            raise AuxCheckError(f"rank 0 returned {type(out).__name__}, not IntermediateTensors")
-        tensors = dict(out.tensors)
-        return {"start": start, "end": end, "keys": list(tensors),
-                "tensors": {k: None if v is None else v.detach().clone().numpy() for k, v in tensors.items()}}
-    assert received is not None
-    inter = IntermediateTensors({k: None if v is None else torch.from_numpy(v) for k, v in received.items()})
-    got = aux_of(_forward(built, inter), f"{job.causal_lm} on the last PP rank")
-    return {"start": start, "end": end, "aux": [t.numpy() for t in got]}
-
-
-# -------------------------------------------------------------------------------------- serving
-def serve(conn: Any, world_size: int, rank: int, init_method: str, log_path: str = os.devnull) -> None:
-    """Worker loop: join the process groups, then answer ``(kind, args)`` requests on ``conn`` until
-    ``None``. Each request answers ``("ok", result)``, ``("mismatch", reason)`` or ``("error", reason)``.
-
-    vLLM logs on stdout and stderr: both go to ``log_path`` (the parent's progress bar owns the
-    terminal, and a worker that dies in native code leaves its last words there)."""
-    if log_path != os.devnull:
-        _MODEL_ROOT[0] = os.path.dirname(log_path)
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    init_rank(world_size, rank, init_method)
-    # a model the recipe leaves large (an audio tower sized in code, not in its config) fails with an
-    # allocation error instead of taking the shared machine's memory
-    resource.setrlimit(resource.RLIMIT_DATA, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
-    conn.send(("ready", None))
-    while True:
-        request = conn.recv()
-        if request is None:
-            return
-        kind, args = request
-        try:
-            if kind == "pp1":
-                answer = check_pp1(*args)
-            elif kind == "stage":
-                answer = run_stage(*args)
-            else:
-                raise ValueError(f"unknown request {kind!r}")
-            conn.send(("ok", answer))
-        except AuxCheckError as exc:
-            conn.send(("mismatch", str(exc)))
-        except Exception as exc:  # noqa: BLE001 - every failure of one model is that model's reason
-            conn.send(("error", one_line(exc, limit=400)))
-

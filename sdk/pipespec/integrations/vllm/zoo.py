@@ -4,13 +4,17 @@
    goes through ``adapt_vllm_module`` (the codemod finds the PP decoders; files without one are not
    decoders). Each decoder is ``adapted``, ``unchanged`` (already PP-correct) or ``declined``.
 2. Map each decoder's ``*ForCausalLM`` to an architecture name through vLLM's registry.
-3. Check (``pipespec.integrations.vllm.harness``): one PP=1 worker and one PP=2 pair of processes (vLLM's
-   own process groups over gloo on 127.0.0.1; ``pipespec.integrations.vllm.zoo_workers``) stay alive and
-   every model streams through them, each with a timeout; a worker that dies or hangs is restarted. PP=1: aux states == the unadapted model's
-   residual stream. PP=2: rank 0 sends exactly the keys ``pipespec.contract.layout.plan_layout`` says for stage 0,
-   and rank 1, fed rank 0's tensors, returns aux states equal to the PP=1 reference.
-4. Classify: ``verified`` (adapted, both checks pass), ``supported`` (unchanged and both pass),
-   ``declined`` (the codemod's reason), ``failed`` (the exception or the mismatch, never hidden).
+3. Check: a PP=1 worker, a PP=2 pair and a PP=3 trio of processes (vLLM's own process groups over gloo
+   on 127.0.0.1; ``pipespec.integrations.vllm.zoo_workers``) stay alive and every model streams through
+   them, each request with a timeout; a group with a worker that dies or hangs is restarted. PP=1
+   (``harness.check_pp1``): aux states == the unadapted model's residual stream. PP=2 (vLLM's default
+   partition) and PP=3 (an uneven partition, ids on both stage boundaries; ``pp_ranks.pp3_partition``,
+   ``pp3_ids``): every rank driven as vLLM's V2 runner drives it (``pp_ranks.run_pipeline``: receive slots
+   reserved by vLLM, the middle rank's relay merged by vLLM's ``PPHandler``) receives, packs and sends
+   exactly the aux keys ``pipespec.contract.layout.plan_layout`` plans for its stage, and the last rank's
+   aux states equal the PP=1 reference.
+4. Classify: ``verified`` (adapted, every check passes), ``supported`` (unchanged and every check
+   passes), ``declined`` (the codemod's reason), ``failed`` (the exception or the mismatch, never hidden).
 
 Imports vLLM (lives in ``pipespec.integrations.vllm``); nothing outside that package may import it.
 """
@@ -26,6 +30,14 @@ from typing import Any
 import numpy as np
 
 from pipespec.integrations.vllm.harness import ATOL, AUX_PREFIX, Job
+from pipespec.integrations.vllm.pp_ranks import (
+    PipelineError,
+    PipelineRun,
+    max_error,
+    pp3_ids,
+    pp3_partition,
+    run_pipeline,
+)
 from pipespec.integrations.vllm.zoo_workers import WorkerPool
 
 __all__ = ["ENVIRONMENT_ERRORS", "FLAG_CLASSES", "STATUSES", "ZooResult", "decoder_files", "inherited_flag_verdicts", "run_vllm_zoo"]
@@ -55,7 +67,12 @@ class ZooResult:
     num_layers: int | None = None
     max_abs_err_pp1: float | None = None
     max_abs_err_pp2: float | None = None
-    sends_stage0: tuple[str, ...] = ()
+    sends_stage0: tuple[str, ...] = ()  # PP=2 rank 0
+    partition_pp3: tuple[int, ...] = ()
+    aux_layers_pp3: tuple[int, ...] = ()
+    max_abs_err_pp3: float | None = None
+    sends_pp3_stage0: tuple[str, ...] = ()
+    sends_pp3_stage1: tuple[str, ...] = ()  # the relaying middle rank: relayed keys, then its own
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -63,7 +80,9 @@ class ZooResult:
             "codemod": self.codemod, "causal_lm": self.causal_lm, "architecture": self.architecture,
             "aux_layers": list(self.aux_layers), "num_layers": self.num_layers,
             "max_abs_err_pp1": self.max_abs_err_pp1, "max_abs_err_pp2": self.max_abs_err_pp2,
-            "sends_stage0": list(self.sends_stage0),
+            "sends_stage0": list(self.sends_stage0), "partition_pp3": list(self.partition_pp3),
+            "aux_layers_pp3": list(self.aux_layers_pp3), "max_abs_err_pp3": self.max_abs_err_pp3,
+            "sends_pp3_stage0": list(self.sends_pp3_stage0), "sends_pp3_stage1": list(self.sends_pp3_stage1),
         }
 
 
@@ -160,56 +179,58 @@ def _environment(reason: str) -> str:
 
 
 def _check(pool: WorkerPool, job: Job, row: ZooResult) -> None:
-    """Fill ``row`` from the PP=1 and PP=2 checks of ``job``."""
-    from pipespec.contract.layout import plan_layout
-
+    """Fill ``row`` from the PP=1, PP=2 and PP=3 checks of ``job``."""
     kind, answer = pool.ask("pp1", ("pp1", (job,)))
     if kind != "ok":  # a mismatch names its check itself ("PP=1: aux id ...", "... at PP=1")
         row.status, row.reason = "failed", answer if kind == "mismatch" else _environment(f"PP=1: {answer}")
         return
     n, ids, reference = answer["num_layers"], tuple(answer["ids"]), answer["reference"]
     row.num_layers, row.aux_layers, row.max_abs_err_pp1 = n, ids, answer["max_abs_err"]
-    plan = plan_layout(n, 2, ids)
-    kind, first = pool.ask("pp2-0", ("stage", (job, ids, None)))
-    if kind != "ok":
-        row.status, row.reason = "failed", f"PP=2 rank 0: {first}"
+    try:
+        pp2 = _pipeline(pool, job, ids, n, 2, None, reference)
+        row.max_abs_err_pp2, row.sends_stage0 = pp2.error, pp2.run.sends(0)
+        partition = pp3_partition(n)
+        row.partition_pp3, row.aux_layers_pp3 = partition, pp3_ids(n, partition)
+        pp3 = _pipeline(pool, job, row.aux_layers_pp3, n, 3, partition, reference)
+    except (PipelineError, ValueError) as exc:
+        row.status, row.reason = "failed", str(exc) if isinstance(exc, PipelineError) else f"PP=3: {exc}"
         return
-    stage0 = plan.stage(0)
-    if (first["start"], first["end"]) != (stage0.start_layer, stage0.end_layer):
-        row.status = "failed"
-        row.reason = (f"PP=2 rank 0 owns layers [{first['start']}, {first['end']}), the layout plan says "
-                      f"[{stage0.start_layer}, {stage0.end_layer})")
-        return
-    sent = tuple(k for k in first["keys"] if k.startswith(AUX_PREFIX))
-    row.sends_stage0 = sent
-    if sent != tuple(stage0.sends):
-        row.status = "failed"
-        row.reason = f"PP=2 rank 0 sends aux keys {list(sent)}, the layout plan says {list(stage0.sends)} (ids {list(ids)})"
-        return
-    kind, last = pool.ask("pp2-1", ("stage", (job, ids, first["tensors"])))
-    if kind != "ok":
-        row.status, row.reason = "failed", f"PP=2 rank 1: {last}"
-        return
-    if (last["start"], last["end"]) != (plan.stage(1).start_layer, plan.stage(1).end_layer):
-        row.status = "failed"
-        row.reason = (f"PP=2 rank 1 owns layers [{last['start']}, {last['end']}), the layout plan says "
-                      f"[{plan.stage(1).start_layer}, {plan.stage(1).end_layer})")
-        return
-    got = last["aux"]
-    if len(got) != len(ids):
-        row.status, row.reason = "failed", f"PP=2 rank 1 returned {len(got)} aux states for ids {list(ids)}"
-        return
-    errs = [float(np.abs(g - reference[i]).max()) if g.shape == reference[i].shape else float("inf")
-            for i, g in zip(ids, got)]
-    worst = max(range(len(ids)), key=lambda k: errs[k] if errs[k] == errs[k] else float("inf"))
-    row.max_abs_err_pp2 = errs[worst]
-    if not errs[worst] <= ATOL:
-        row.status = "failed"
-        row.reason = f"PP=2: aux id {ids[worst]} differs from the PP=1 residual stream by {errs[worst]:.3g} (ids {list(ids)})"
-        return
+    row.max_abs_err_pp3 = pp3.error
+    row.sends_pp3_stage0, row.sends_pp3_stage1 = pp3.run.sends(0), pp3.run.sends(1)
+    relayed = pp3.run.plan.stage(1).relays
+    own = [k for k in row.sends_pp3_stage1 if k not in relayed]
     row.status = "verified" if job.code is not None else "supported"
-    row.reason = (f"PP=1 and PP=2 aux states equal the residual stream at ids {list(ids)}; "
-                  f"rank 0 sends {', '.join(sent) or 'no aux keys'}")
+    row.reason = (f"PP=1, PP=2 and PP=3 aux states equal the residual stream (ids {list(ids)}; PP=3: partition "
+                  f"{list(partition)}, ids {list(row.aux_layers_pp3)}); PP=2 rank 0 sends {_keys(row.sends_stage0)}; "
+                  f"PP=3 rank 1 relays {_keys(relayed)} and sends its own {_keys(own)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    run: PipelineRun
+    error: float
+
+
+def _pipeline(pool: WorkerPool, job: Job, ids: Sequence[int], n: int, pp: int, partition: tuple[int, ...] | None,
+              reference: dict[int, np.ndarray]) -> _Checked:
+    """One PP run of ``job`` checked against the plan (``run_pipeline``) and the PP=1 reference."""
+    run = run_pipeline(pool, job, ids, n, pp, partition)
+    worst, err = max_error(run, reference)
+    if not err <= ATOL:
+        where = f"PP={pp}" + ("" if partition is None else f" (partition {list(partition)})")
+        raise PipelineError(f"{where}: aux id {worst} differs from the PP=1 residual stream by {err:.3g} "
+                            f"(ids {list(run.plan.aux_layers)})")
+    return _Checked(run=run, error=err)
+
+
+def _keys(keys: Sequence[str]) -> str:
+    """Aux keys for a reason: ``aux_hidden_states_0..3`` for a run of consecutive slots."""
+    if not keys:
+        return "no aux keys"
+    slots = [int(k[len(AUX_PREFIX):]) for k in keys]
+    if len(slots) > 1 and slots == list(range(slots[0], slots[0] + len(slots))):
+        return f"{AUX_PREFIX}{slots[0]}..{slots[-1]}"
+    return ", ".join(keys)
 
 
 def _jobs_for(rel: str, outcome: Any, code: str | None, source: str) -> tuple[Job | None, str]:

@@ -1,29 +1,47 @@
-"""The vLLM zoo's worker processes: one PP=1 worker and one PP=2 pair, kept alive while the zoo streams
-models through them, each request with a timeout, and a worker that dies or hangs restarted (its log's
-last line in the reason).
+"""The vLLM zoo's worker processes: one group of P processes per pipeline size P (a PP=1 worker, a PP=2
+pair, a PP=3 trio by default), kept alive while the zoo streams models through them. A request goes to
+every rank of a group at once and is answered within a timeout; a group with a worker that dies or hangs
+is restarted whole (its ranks share vLLM's process groups), with the worker's last log line in the reason.
 
-Each worker runs ``pipespec.integrations.vllm.harness.serve`` in a spawned process (vLLM's own process
-groups over gloo on 127.0.0.1, a free port per group). Imports vLLM only through the harness, in the
-workers; this module itself imports the standard library and the harness.
+Each worker runs ``serve`` in a process forked by multiprocessing's fork server, which imports vLLM once
+(``PRELOAD``) for every worker it forks, restarts included (a spawned worker spent ~15-30 s of CPU on that
+import alone, six times over). A worker joins vLLM's own process groups over gloo on 127.0.0.1 (a free
+port per group) and answers ``"pp1"`` (``harness.check_pp1``) and ``"rank"`` (``pp_ranks.run_rank``)
+requests. This process never imports vLLM: the fork server and the workers do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import resource
 import shutil
 import socket
+import sys
 import tempfile
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pipespec.integrations.vllm.harness import serve
+from pipespec.errors import one_line
 
-__all__ = ["REQUEST_TIMEOUT_S", "START_TIMEOUT_S", "WorkerPool"]
+__all__ = ["PRELOAD", "REQUEST_TIMEOUT_S", "START_TIMEOUT_S", "WORKER_MEMORY_BYTES", "WorkerPool", "serve"]
 
-#: Seconds one model may take in one worker request before the worker is restarted.
+#: Seconds one model may take in one group request before the group is restarted.
 REQUEST_TIMEOUT_S = 90.0
 #: Seconds a (re)started worker may take to import vLLM and join its process group.
 START_TIMEOUT_S = 180.0
+#: Heap limit of a zoo worker (an idle one holds ~0.9 GB with vLLM imported).
+WORKER_MEMORY_BYTES = 3 << 30
+#: What the fork server imports once, before it forks any worker: the worker's own modules and the vLLM
+#: modules every request needs (the model files are imported per model, in the worker).
+PRELOAD = (
+    "pipespec.integrations.vllm.harness", "pipespec.integrations.vllm.pp_ranks", "vllm.config",
+    "vllm.distributed.parallel_state", "vllm.forward_context", "vllm.model_executor.model_loader.utils",
+    "vllm.model_executor.models.registry", "vllm.sequence", "vllm.v1.worker.gpu.pp_utils",
+    "vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils",
+)
 
 
 def _free_port() -> int:
@@ -32,55 +50,101 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """stdout and stderr on /dev/null while inside: what the fork server (and its vLLM import) would print
+    goes nowhere instead of into this process's output (``--json`` prints on stdout)."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+
+
+def _names(size: int) -> list[str]:
+    return ["pp1"] if size == 1 else [f"pp{size}-{rank}" for rank in range(size)]
+
+
 class WorkerPool:
-    """The PP=1 worker and the PP=2 pair; ``ask`` sends one request and waits at most the timeout."""
+    """One group of worker processes per pipeline size in ``sizes``; ``run`` sends one request to a group."""
 
-    def __init__(self) -> None:
-        self.ctx = multiprocessing.get_context("spawn")
+    def __init__(self, sizes: Sequence[int] = (1, 2, 3)) -> None:
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.ctx.set_forkserver_preload(list(PRELOAD))
         self.workers: dict[str, tuple[Any, Any]] = {}
+        self.ready: set[str] = set()
         self.logs = tempfile.mkdtemp(prefix="pipespec-vllm-zoo-logs-")
-        self.start("pp1")
-        self.start("pp2")
+        for size in sizes:
+            self.start(size)
 
-    def start(self, group: str) -> None:
+    def start(self, size: int) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        ranks = ["pp1"] if group == "pp1" else ["pp2-0", "pp2-1"]
         init = f"tcp://127.0.0.1:{_free_port()}"
-        for rank, name in enumerate(ranks):
+        for rank, name in enumerate(_names(size)):
             parent, child = self.ctx.Pipe()
             log = os.path.join(self.logs, f"{name}.log")
             open(log, "w").close()  # a restarted worker's log starts empty: its tail is its own
-            proc = self.ctx.Process(target=serve, args=(child, len(ranks), rank, init, log), daemon=True,
-                                    name=f"zoo-{name}")
-            proc.start()
+            proc = self.ctx.Process(target=serve, args=(child, size, rank, init, log), daemon=True, name=f"zoo-{name}")
+            with _quiet():  # the first start launches the fork server, which keeps the descriptors it gets
+                proc.start()
             child.close()
             self.workers[name] = (proc, parent)
 
-    def _ready(self, name: str) -> None:
-        proc, conn = self.workers[name]
-        if getattr(proc, "_zoo_ready", False):
+    def _wait_ready(self, name: str, deadline: float) -> None:
+        if name in self.ready:
             return
-        if not conn.poll(START_TIMEOUT_S):
-            raise RuntimeError(f"worker {name} did not start within {START_TIMEOUT_S:.0f} s")
+        _proc, conn = self.workers[name]
+        if not conn.poll(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"did not start within {START_TIMEOUT_S:.0f} s")
         kind, _ = conn.recv()
         if kind != "ready":
-            raise RuntimeError(f"worker {name} answered {kind!r} at start")
-        proc._zoo_ready = True  # noqa: SLF001 - a flag on our own process object
+            raise RuntimeError(f"answered {kind!r} at start")
+        self.ready.add(name)
+
+    def run(self, size: int, request: tuple[str, tuple[Any, ...]]) -> list[tuple[str, Any]]:
+        """``request`` to every rank of group ``size``; one ``(kind, answer)`` per rank, in rank order.
+
+        A rank that does not answer within ``REQUEST_TIMEOUT_S`` (or dies) makes every rank's answer an
+        error naming it, and the group is restarted.
+        """
+        names = _names(size)
+        current = names[0]
+        try:
+            start_by = time.monotonic() + START_TIMEOUT_S
+            for current in names:
+                self._wait_ready(current, start_by)
+            for current in names:
+                self.workers[current][1].send(request)
+            answer_by = time.monotonic() + REQUEST_TIMEOUT_S
+            answers = []
+            for current in names:
+                conn = self.workers[current][1]
+                if not conn.poll(max(0.0, answer_by - time.monotonic())):
+                    raise TimeoutError(f"timed out after {REQUEST_TIMEOUT_S:.0f} s")
+                answers.append(conn.recv())
+            return answers
+        except (EOFError, OSError, RuntimeError) as exc:
+            reason = f"died ({type(exc).__name__}{': ' + str(exc) if str(exc) else ''}; last log line: {self._last_words(current)})"
+            if isinstance(exc, TimeoutError):
+                reason = str(exc)
+        self.restart(size)
+        return [("error", f"{current} worker {reason}; restarted its group")] * size
 
     def ask(self, name: str, request: tuple[str, tuple[Any, ...]]) -> tuple[str, Any]:
-        try:
-            self._ready(name)
-            proc, conn = self.workers[name]
-            conn.send(request)
-            if conn.poll(REQUEST_TIMEOUT_S):
-                return conn.recv()  # type: ignore[no-any-return]
-            reason = f"timed out after {REQUEST_TIMEOUT_S:.0f} s"
-        except (EOFError, OSError, RuntimeError) as exc:
-            reason = f"died ({type(exc).__name__}{': ' + str(exc) if str(exc) else ''}; last log line: {self._last_words(name)})"
-        self.restart("pp1" if name == "pp1" else "pp2")
-        return "error", f"{name} worker {reason}; restarted it"
+        """``request`` to the PP=1 worker (``name`` "pp1"): its ``(kind, answer)``."""
+        if name != "pp1":
+            raise ValueError(f"ask() serves the PP=1 worker only, not {name!r}: use run(size, request) for a group")
+        return self.run(1, request)[0]
 
     def _last_words(self, name: str) -> str:
         try:
@@ -90,14 +154,14 @@ class WorkerPool:
             return "none"
         return lines[-1][:300] if lines else "none"
 
-    def restart(self, group: str) -> None:
-        names = ["pp1"] if group == "pp1" else ["pp2-0", "pp2-1"]
-        for name in names:
+    def restart(self, size: int) -> None:
+        for name in _names(size):
             proc, conn = self.workers.pop(name)
+            self.ready.discard(name)
             proc.kill()
             proc.join(10)
             conn.close()
-        self.start(group)
+        self.start(size)
 
     def close(self) -> None:
         for _proc, conn in self.workers.values():
@@ -112,4 +176,42 @@ class WorkerPool:
                 proc.join(5)
             conn.close()
         self.workers.clear()
+        self.ready.clear()
         shutil.rmtree(self.logs, ignore_errors=True)
+
+
+def serve(conn: Any, world_size: int, rank: int, init_method: str, log_path: str = os.devnull) -> None:
+    """Worker loop: join the process groups, then answer ``(kind, args)`` requests on ``conn`` until
+    ``None``. Each request answers ``("ok", result)``, ``("mismatch", reason)`` or ``("error", reason)``.
+
+    vLLM logs on stdout and stderr: both go to ``log_path`` (the parent's progress bar owns the
+    terminal, and a worker that dies in native code leaves its last words there)."""
+    from pipespec.integrations.vllm import harness, pp_ranks
+
+    if log_path != os.devnull:
+        harness.set_model_root(os.path.dirname(log_path))
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    harness.init_rank(world_size, rank, init_method)
+    # a model the recipe leaves large (an audio tower sized in code, not in its config) fails with an
+    # allocation error instead of taking the shared machine's memory
+    resource.setrlimit(resource.RLIMIT_DATA, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
+    conn.send(("ready", None))
+    while True:
+        request = conn.recv()
+        if request is None:
+            return
+        kind, args = request
+        try:
+            if kind == "pp1":
+                answer = harness.check_pp1(*args)
+            elif kind == "rank":
+                answer = pp_ranks.run_rank(*args)
+            else:
+                raise ValueError(f"unknown request {kind!r}")
+            conn.send(("ok", answer))
+        except harness.AuxCheckError as exc:
+            conn.send(("mismatch", str(exc)))
+        except Exception as exc:  # noqa: BLE001 - every failure of one model is that model's reason
+            conn.send(("error", one_line(exc, limit=400)))
