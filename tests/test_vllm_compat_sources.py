@@ -141,19 +141,9 @@ def test_an_older_release_is_refused_in_one_line() -> None:
 
 def _copy_probed_files(source: Path, into: Path) -> Path:
     """The files the probe reads, copied byte for byte (the rest of a tree is never opened)."""
-    wanted = [*contract(Scope.ZOO), probe.V2_RUNNER, probe.V2_AUX_RELAY, probe.RUNNER_SWITCH, probe.METHOD_CONFIG_AUX]
-    files = {"_version.py", *probe.V1_RUNNER_FILES}
-    for symbol in wanted:
-        parts = symbol.split(".")
-        for cut in range(len(parts), 0, -1):
-            found = probe.module_file(source, ".".join(parts[:cut]))
-            if found is not None:
-                files.add(str(found.relative_to(source)))
-                break
-    for rel in files:
-        if (source / rel).is_file():
-            (into / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source / rel, into / rel)
+    for rel in probe.probed_files(source, contract(Scope.ZOO)):
+        (into / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source / rel, into / rel)
     return into
 
 

@@ -199,6 +199,42 @@ def test_the_plugin_gate_on_the_installed_vllm(gate_reset: pytest.MonkeyPatch) -
         assert "\n" not in message and message.endswith("PIPESPEC_VLLM=off to run vLLM without pipespec")
 
 
+def test_a_newer_vllm_with_the_contract_intact_runs_with_one_warning_a_run(gate_reset: pytest.MonkeyPatch,
+                                                                            tmp_path: Path) -> None:
+    """vLLM named 0.35.0 whose package is 0.34.0's source (the files the gate reads): the 0.34 rules, one
+    warning line, and none again in a process that inherits this one's environment (vLLM's engine core and
+    workers)."""
+    import logging
+
+    import vllm
+
+    from pipespec.integrations.vllm.compat.gate import contract
+    from pipespec.integrations.vllm.compat.probe import probed_files
+    from pipespec.integrations.vllm.sources import source_tree
+
+    source, tree = source_tree("0.34.0"), tmp_path / "vllm"
+    for rel in probed_files(source, contract()):
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source / rel, tree / rel)
+    gate_reset.setattr(vllm, "__version__", "0.35.0")
+    gate_reset.setattr(vllm, "__file__", str(tree / "__init__.py"))
+    gate_reset.setenv(compat.WARNED, "")
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("vllm.plugins.pipespec").addHandler(handler)
+    try:
+        verdict = load()
+        assert (verdict.gate, verdict.module) == (Gate.NEWER, RELEASE_MODULES[(0, 34)])
+        assert type(compat.current()).__name__ == "Vllm034"
+        assert lines == [verdict.message] and "vLLM 0.35.0 is newer" in verdict.message
+        assert os.environ[compat.WARNED] == "0.35.0"
+        compat._CHOSEN.clear()  # a process started from this one: same environment, its own choice
+        assert load().gate is Gate.NEWER and len(lines) == 1
+    finally:
+        logging.getLogger("vllm.plugins.pipespec").removeHandler(handler)
+
+
 def test_every_patch_names_why_how_and_its_removal() -> None:
     """The patch list is the plugin's contract with vLLM: each entry complete, each symbol real in this vLLM
     when it names this release (the other releases' sources: tests/test_vllm_compat_sources.py)."""

@@ -11,6 +11,7 @@ Dropping a release: delete its module and its entries in ``releases.py`` and ``p
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pipespec.errors import UsageError
@@ -22,6 +23,8 @@ __all__ = ["Gate", "GateVerdict", "Runner", "Scope", "TESTED_RANGE", "TESTED_REL
            "gate_installed", "load"]
 
 _CHOSEN: dict[str, tuple[GateVerdict, Vllm032]] = {}
+#: Set by the process that logs the NEWER warning; the processes vLLM starts from it inherit it and stay quiet.
+WARNED = "PIPESPEC_VLLM_WARNED_NEWER"
 
 
 def gate_installed(scope: Scope = Scope.PLUGIN) -> GateVerdict:
@@ -36,16 +39,18 @@ def gate_installed(scope: Scope = Scope.PLUGIN) -> GateVerdict:
 
 def load(scope: Scope = Scope.PLUGIN) -> GateVerdict:
     """Gate the installed vLLM and choose its release module, once per process and scope; logs the NEWER
-    warning once. Raises the gate's ``UsageError`` for a refused release."""
+    warning once per run (the first process; ``WARNED``). Raises the gate's ``UsageError`` for a refused
+    release."""
     if scope.value not in _CHOSEN:
         verdict = gate_installed(scope)
         assert verdict.module is not None
         minor = next(m for m, path in RELEASE_MODULES.items() if path == verdict.module)
         _CHOSEN[scope.value] = (verdict, release_class(minor)())
-        if verdict.gate is Gate.NEWER:
+        if verdict.gate is Gate.NEWER and os.environ.get(WARNED) != verdict.version:
             from vllm.logger import init_logger
 
             init_logger("vllm.plugins.pipespec").warning(verdict.message)
+            os.environ[WARNED] = verdict.version  # vLLM's engine core and workers inherit it: one line a run
     return _CHOSEN[scope.value][0]
 
 

@@ -148,6 +148,21 @@ def runner_facts(tree: Path) -> RunnerFacts:
     )
 
 
+def probed_files(tree: Path, symbols: Iterable[str]) -> list[Path]:
+    """The files of ``tree`` that ``probe_tree(tree, symbols)`` reads (relative): the modules of the symbols
+    and of the runner facts, the V1 runner's files and ``_version.py``. A copy of just these is, for the probe,
+    the same tree (the tests build modified trees that way)."""
+    wanted = [*symbols, V2_RUNNER, V2_AUX_RELAY, RUNNER_SWITCH, METHOD_CONFIG_AUX]
+    files = {Path("_version.py"), *map(Path, V1_RUNNER_FILES)}
+    for symbol in wanted:
+        parts = symbol.split(".")
+        found = next((f for cut in range(len(parts), 0, -1)
+                      if (f := module_file(tree, ".".join(parts[:cut]))) is not None), None)
+        if found is not None:
+            files.add(found.relative_to(tree))
+    return sorted(f for f in files if (tree / f).is_file())
+
+
 def probe_tree(tree: Path, symbols: Iterable[str]) -> Probe:
     """Version, missing symbols (in the order asked) and runner facts of the ``vllm`` directory ``tree``."""
     tree = Path(tree)
