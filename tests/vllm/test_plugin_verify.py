@@ -160,9 +160,10 @@ def test_transparent_override_keeps_support(cli) -> None:
     assert code == 0 and result["decision"] == "supported"
 
 
-def test_transformers_backend_is_left_to_vllm_at_pp1(cli) -> None:
-    """vLLM's Transformers backend captures through hooks (no PP decoder to adapt): vLLM's own at PP=1."""
-    code, result = _json(cli, "--architecture", "TransformersForCausalLM", "--pp", "1")
+def test_transformers_backend_multimodal_is_left_to_vllm_at_pp1(cli) -> None:
+    """The multimodal Transformers backend (no text decoder pipespec's subclass can hook): vLLM's own at PP=1.
+    The text classes get pipespec's subclass (tests/vllm/test_transformers_backend.py)."""
+    code, result = _json(cli, "--architecture", "TransformersMultiModalForCausalLM", "--pp", "1")
     assert code == 0 and result["decision"] == "supported"
-    assert result["reason"].startswith("TransformersForCausalLM implements vLLM's SupportsEagle3 (PP = 1; pipespec "
-                                       "leaves it to vLLM: pipespec cannot adapt it: ")
+    assert result["reason"].startswith("TransformersMultiModalForCausalLM implements vLLM's SupportsEagle3 (PP = 1; "
+                                       "pipespec leaves it to vLLM: ")

@@ -6,7 +6,9 @@ what to do) when not; exit 2 for bad flags or an impossible layout.
 ``--engine vllm`` answers what pipespec's vLLM plugin would do at engine load for ``--architecture``
 (vLLM's name) at ``--pp`` — supported as it is / adapt (with which spec) / refuse (why) — without loading
 weights; ``--json`` prints ``{"architecture", "class", "decision", "reason", "spec"}``; exit 0 unless
-refused (2). vLLM is imported only then; without it, one line and exit 2.
+refused (2). vLLM is imported only then; without it, one line and exit 2. ``--model-impl transformers``
+asks the same for vLLM's Transformers modeling backend (``model_impl="transformers"``): the backend class
+vLLM resolves ``--architecture`` to, which the plugin replaces with pipespec's subclass.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pipespec.errors import UnsupportedModelError, UsageError
 
 HELP = "check that an architecture or class supports aux hidden states over PP for a layout"
 ENGINES = ("transformers", "vllm")
+MODEL_IMPLS = ("vllm", "transformers")  # vLLM's model_impl values verify answers for
 NEEDS_VLLM = "pipespec verify --engine vllm needs vLLM (>= 0.32) installed: run it where vLLM is (`pip install 'pipespec[vllm]'`)"
 
 
@@ -33,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_layout_arguments(parser, num_layers_required=False)
     parser.add_argument("--engine", choices=ENGINES, default="transformers",
                         help="transformers (default): pipespec's registry and verifier; vllm: what pipespec's vLLM plugin would do")
+    parser.add_argument("--model-impl", metavar="IMPL",
+                        help="--engine vllm: vllm (default: the class vLLM's registry names) or transformers (vLLM's "
+                             "Transformers modeling backend, as with LLM(model_impl='transformers'))")
     parser.add_argument("--json", action="store_true",
                         help='--engine vllm: print {"architecture", "class", "decision", "reason", "spec"}')
 
@@ -46,6 +52,13 @@ def run_vllm(args: argparse.Namespace) -> int:
     from pipespec.integrations.vllm.adapt_at_load import verify_architecture
 
     cls = import_class(args.class_path) if args.class_path else None
+    if args.model_impl == "transformers":
+        if cls is not None:
+            raise UsageError("--model-impl transformers picks the backend class for --architecture; --class names the "
+                             "class to check itself: give one of the two")
+        from pipespec.integrations.vllm.transformers_backend import resolve_backend_class
+
+        cls = resolve_backend_class(args.architecture)
     decision = verify_architecture(args.architecture, args.method, args.pp, cls)
     if args.json:
         print(json.dumps(decision.as_json()))
@@ -69,7 +82,20 @@ def import_class(path: str) -> type:
     return cls
 
 
+def check_model_impl(args: argparse.Namespace) -> None:
+    """``--model-impl`` is one of ``MODEL_IMPLS`` and only with ``--engine vllm`` (one line, exit 2)."""
+    if args.model_impl is None:
+        return
+    if args.engine != "vllm":
+        raise UsageError(f"--model-impl {args.model_impl} is for --engine vllm (vLLM's model_impl); "
+                         f"--engine {args.engine} checks pipespec's own registry: drop --model-impl or add --engine vllm")
+    if args.model_impl not in MODEL_IMPLS:
+        raise UsageError(f"--model-impl {args.model_impl!r} is not one of {', '.join(MODEL_IMPLS)}: vllm for vLLM's own "
+                         "model classes, transformers for its Transformers modeling backend")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_model_impl(args)
     if args.engine == "vllm":
         return run_vllm(args)
     if args.json:

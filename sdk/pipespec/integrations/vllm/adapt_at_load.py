@@ -72,6 +72,11 @@ def decide(architecture: str, cls: type, method: str = "eagle3", pp: int = 1) ->
     if not release.method_uses_aux(method):
         return Decision(architecture, path, "skip", f"{method!r} reads no aux hidden states in vLLM {release.name} "
                                                     f"({', '.join(release.AUX_METHODS)} do)")
+    from pipespec.integrations.vllm import transformers_backend
+
+    if transformers_backend.is_backend_class(cls):  # no decoder source to rewrite: pipespec's subclass instead
+        tf = transformers_backend.backend_verdict(cls, method, pp)
+        return Decision(architecture, path, tf.decision, tf.reason, tf.spec, tf.target)
     before = judge_vllm_class(cls, pp=pp)
     drops_aux = False  # a forward known to return no aux states: never left to vLLM's own check
     if before.supported and pp == 1:
