@@ -8,11 +8,13 @@ name, every attention output zeroed the same way in every build — see ``_silen
 * PP = 1: vLLM's unmodified backend class runs with hooks recording the residual stream at every id
   (``reference_stream.record_stream``: what enters each layer, and the last layer's output), the
   reference; pipespec's subclass with the ids returns ``(hidden_states, aux)``;
-* PP = P: rank r builds its stage of the subclass, ``set_aux_hidden_state_layers(ids)`` then vLLM's own
-  ``reserve_aux_intermediate_tensor_slots`` (what its receive buffers hold), runs on what rank r-1 sent
-  through vLLM's ``get_pp_group().send_tensor_dict`` / ``recv_tensor_dict``; a middle rank's output is
-  merged with the relayed keys as vLLM's ``PPHandler.relay_aux_hidden_states`` merges them (vLLM's own
-  function, keys from its ``aux_hidden_state_relay_keys``); the last rank returns its aux list.
+* PP = P: rank r builds its stage of the subclass and is driven as vLLM's V2 runner drives a rank, with the
+  zoo's rank machinery (``pipespec.integrations.vllm.pp_ranks``): vLLM's ``set_eagle3_aux_hidden_state_layers``
+  (the ids, and the receive slots by ``reserve_aux_intermediate_tensor_slots``),
+  ``verify_supports_aux_hidden_states_over_pp`` and the relay keys; what rank r-1 sent through vLLM's
+  ``get_pp_group().send_tensor_dict`` / ``recv_tensor_dict`` copied into the receive buffers as the runner
+  copies it; a middle rank's output merged with the relayed keys by ``PPHandler.relay_aux_hidden_states``;
+  the last rank returns its aux list.
 
 Usage: tf_backend_stages.py --families llama,qwen2,gemma2 --pp 2,3 --ids 0,2,3,4,6 --out FILE.json
 Writes per family: ``num_layers``, the PP=1 errors, and per PP size and rank: the keys sent (in order),
@@ -32,7 +34,6 @@ import sys
 import tempfile
 import time
 import traceback
-import types
 from typing import Any
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
@@ -93,15 +94,13 @@ def _np(tensor: Any) -> Any:
 
 
 def _family_on_rank(family: str, model_dir: str, ids: tuple[int, ...]) -> dict[str, Any]:
+    import torch
     from vllm.distributed.parallel_state import get_pp_group
     from vllm.sequence import IntermediateTensors
     from vllm.v1.worker.gpu.pp_utils import PPHandler
-    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
-        aux_hidden_state_relay_keys,
-        reserve_aux_intermediate_tensor_slots,
-    )
 
-    from pipespec.integrations.vllm.harness import _forward
+    from pipespec.integrations.vllm.harness import NUM_TOKENS, _forward
+    from pipespec.integrations.vllm.pp_ranks import _into_buffers, _prepare
     from pipespec.integrations.vllm.reference_stream import aux_of, layers_of, record_stream
     from pipespec.integrations.vllm.transformers_backend import adapted_class
 
@@ -113,31 +112,41 @@ def _family_on_rank(family: str, model_dir: str, ids: tuple[int, ...]) -> dict[s
         with record_stream(ref.decoder, tuple(range(n + 1))) as stream:
             _forward(ref)
         tested = _build(adapted_class(backend), model_dir)
-        tested.model.set_aux_hidden_state_layers(ids)
+        _prepare(tested.model, ids)
         got = aux_of(_forward(tested), f"{family} at PP=1")
         return {"num_layers": n, "reference": {i: _np(t[0]) for i, t in stream.items()},
                 "aux": [_np(t) for t in got], "class": f"{backend.__module__}:{backend.__name__}"}
     built = _build(adapted_class(backend), model_dir)
     model = built.model
-    model.set_aux_hidden_state_layers(ids)
-    reserve_aux_intermediate_tensor_slots(model)
-    import torch
-
-    buffer = model.make_empty_intermediate_tensors(batch_size=3, dtype=torch.float32, device=torch.device("cpu"))
-    received = None if pp.is_first_rank else IntermediateTensors(pp.recv_tensor_dict())
-    out = _forward(built, received)
+    relay = _prepare(model, ids)
+    buffer = model.make_empty_intermediate_tensors(batch_size=NUM_TOKENS, dtype=torch.float32, device=torch.device("cpu"))
     result: dict[str, Any] = {"receive_buffer": list(buffer.tensors)}
+    received = None
+    if not pp.is_first_rank:
+        received, _ = _into_buffers(model, pp.recv_tensor_dict(), pp.rank_in_group)
+    out = _forward(built, received)
     if pp.is_last_rank:
         result["aux"] = [_np(t) for t in aux_of(out, f"{family} on the last PP rank")]
         return result
     if not isinstance(out, IntermediateTensors):
         raise TypeError(f"rank {pp.rank_in_group} returned {type(out).__name__}, not IntermediateTensors")
-    relay = types.SimpleNamespace(aux_hidden_state_relay_keys=aux_hidden_state_relay_keys(model))
     sent = PPHandler.relay_aux_hidden_states(relay, received, out)  # type: ignore[arg-type]
     pp.send_tensor_dict(dict(sent.tensors))
     result["sends"] = list(sent.tensors)
     result["tensors"] = {k: _np(v) for k, v in sent.tensors.items() if k != "hidden_states"}
     return result
+
+
+def _register_backend_in_process() -> None:
+    """vLLM's text backend classes registered as classes, so ``ModelConfig`` inspects them in this process
+    (the lazy entries inspect in a subprocess, seconds each), as the zoo harness registers its classes."""
+    import importlib
+
+    from vllm.model_executor.models import ModelRegistry
+
+    backend = importlib.import_module("vllm.model_executor.models.transformers")
+    for name in ("TransformersForCausalLM", "TransformersMoEForCausalLM"):
+        ModelRegistry.register_model(name, getattr(backend, name))
 
 
 def _rank_main(conn: Any, world: int, rank: int, init: str, families: list[str], ids: tuple[int, ...],
@@ -147,6 +156,7 @@ def _rank_main(conn: Any, world: int, rank: int, init: str, families: list[str],
         from pipespec.integrations.vllm.harness import init_rank
 
         init_rank(world, rank, init)
+        _register_backend_in_process()
         for family in families:
             conn.send((family, "ok", _family_on_rank(family, dirs[family], ids)))
         conn.send(None)

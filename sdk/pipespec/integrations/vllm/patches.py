@@ -285,6 +285,35 @@ PATCHES = (
         removal="when the zoo drives decoders with real metadata",
         scope=Scope.ZOO,
     ),
+    Patch(
+        symbol="vllm.model_executor.models.transformers.base.Base",
+        where="every process that builds a model of vLLM's Transformers modeling backend for an aux-state method "
+              "(registered through model_class_overrides, like an adapted module)",
+        tested=ALL,
+        why=(
+            "the backend's EAGLE3 path records aux states with transformers' OutputRecorder at "
+            "`_layer_names[id - 1]` (id 0 raises KeyError: -1 at load) and a non-last rank's forward returns "
+            "hidden_states only, with no supports_aux_hidden_states_over_pp on its decoder: no aux state crosses "
+            "a PP boundary. Its decoder is transformers' own model, so there is no source for the codemod to adapt"
+        ),
+        how=(
+            "subclassed, not replaced: transformers_backend.Pipespec<Class> (TransformersAuxOverPP before each text "
+            "causal-LM class of the backend) overrides set_aux_hidden_state_layers (ids per plan_layout; layer outputs "
+            "recorded by OutputRecorder at the private _layer_names, id 0 through a parameter-free input tap) and "
+            "forward (Base.forward's input handling, the same in 0.32-0.34, then pack / collect per stage); it sets "
+            "supports_aux_hidden_states_over_pp, AUX_HIDDEN_STATE_KEY and _aux_slot_base_cached on the wrapped "
+            "transformers model, where the V2 runner's helpers read them"
+        ),
+        upstream=(
+            "the backend capturing id 0 (the input of layer 0), packing its recorded states into the non-last rank's "
+            "IntermediateTensors and collecting them on the last, with supports_aux_hidden_states_over_pp on its "
+            "decoder, as vLLM's own decoders do"
+        ),
+        removal=(
+            "drop the subclass and its decide() hook for the releases whose backend does that (the per-stage and "
+            "end-to-end tests in tests/vllm/test_transformers_backend.py say when it does)"
+        ),
+    ),
 )
 
 _APPLIED = False
