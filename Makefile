@@ -11,7 +11,7 @@ VSTAMP := $(VVENV)/.pipespec-installed
 # Stage processes share the cores: one intra-op thread each avoids oversubscription (10x slower otherwise).
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-core test-vllm lint zoo zoo-vllm bench clean venv venv-vllm
+.PHONY: demo test test-core test-vllm lint zoo zoo-vllm zoo-vllm-source sources bench clean venv venv-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -48,12 +48,19 @@ demo: $(STAMP)
 
 test: test-core test-vllm
 
-test-core: $(STAMP)
+# vLLM releases whose Python sources the source zoo reads (tests/test_zoo_vllm_source.py, `make zoo-vllm-source`):
+# fetched once per machine into PIPESPEC_VLLM_SOURCES (default ~/.cache/pipespec/vllm-sources) with
+# `pip download --no-deps`; once cached nothing is fetched again, so this works offline.
+VLLM_SOURCE_RELEASES := 0.32.0 0.33.0 0.34.0
+sources: $(STAMP)
+	$(BIN)/python -m pipespec.integrations.vllm.sources $(VLLM_SOURCE_RELEASES)
+
+test-core: $(STAMP) sources
 	$(BIN)/ruff check sdk codemods tests bench
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests --ignore=tests/vllm
 
 # Real vLLM (CPU build) in its own venv: codegen, verifier, zoo and plugin tests.
-test-vllm: $(VSTAMP)
+test-vllm: $(VSTAMP) sources
 	$(VBIN)/python -m pytest -q -p no:cacheprovider tests/vllm
 
 zoo: $(STAMP)
@@ -61,6 +68,10 @@ zoo: $(STAMP)
 
 zoo-vllm: $(VSTAMP)
 	$(VBIN)/pipespec zoo --engine vllm --write-coverage docs/coverage-vllm.md
+
+# The codemod over each release's source, one section per release in docs/coverage-vllm.md (no vLLM needed).
+zoo-vllm-source: sources
+	for v in $(VLLM_SOURCE_RELEASES); do $(BIN)/pipespec zoo --engine vllm --source $$v --jobs 2 --write-coverage docs/coverage-vllm.md || exit $$?; done
 
 bench: $(STAMP)
 	$(BIN)/pipespec bench all --quick

@@ -1,10 +1,12 @@
-"""Survey: run the vLLM-native codemod over every model file of an installed vLLM and count the outcomes.
+"""Survey: the source zoo over a vLLM tree, plus (optionally) an import of each adapted module inside vLLM.
 
-    .venv/bin/python bench/vllm_codegen_survey.py [--vllm DIR] [--json] [--import-check]
+    .venv/bin/python bench/vllm_codegen_survey.py [--vllm TREE_OR_VERSION] [--json] [--import-check]
 
-DIR is the installed ``vllm`` package directory (default: ``.venv-vllm``'s). Every ``.py`` under
-``model_executor/models/`` and ``models/`` is read (never imported) and passed to
-``adapt_vllm_module``; files without a PP decoder are counted and skipped. ``--import-check`` (run it with
+TREE_OR_VERSION is a ``vllm`` package directory or a release number (default: ``.venv-vllm``'s installed
+package). The rows are ``pipespec.codegen.vllm_source_zoo.run_source_zoo``'s (``pipespec zoo --engine vllm
+--source``): every model file read, never imported, each file's siblings read from the same tree by
+their real paths (so the result does not depend on the working directory or on an installed vLLM).
+``--import-check`` (run it with
 ``.venv-vllm/bin/python``) also imports each adapted module, from a temporary file, as a module of its
 source's package (``vllm.model_executor.models.<name>_pipespec``) so relative imports resolve; a failure
 is told apart from an environment that cannot import the original either.
@@ -37,6 +39,7 @@ def model_files(vllm_dir: Path) -> list[Path]:
 
 def survey(vllm_dir: Path, import_check: bool = False) -> dict[str, object]:
     from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
+    from pipespec.codemods.vllm_native_modules import ModuleSources
     from pipespec.errors import UsageError
 
     rows: list[dict[str, object]] = []
@@ -44,7 +47,7 @@ def survey(vllm_dir: Path, import_check: bool = False) -> dict[str, object]:
     for path in model_files(vllm_dir):
         rel = path.relative_to(vllm_dir.parent).as_posix()
         try:
-            result = adapt_vllm_module(path.read_text(encoding="utf-8"), label=rel)
+            result = adapt_vllm_module(path.read_text(encoding="utf-8"), label=rel, read_module=ModuleSources(path))
         except UsageError:
             files_without += 1
             continue
@@ -116,23 +119,29 @@ def load_as(name: str, path: Path) -> types.ModuleType:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vllm", type=Path, default=DEFAULT_VLLM, help="installed vllm package directory")
+    parser.add_argument("--vllm", default=str(DEFAULT_VLLM), metavar="TREE_OR_VERSION",
+                        help="a vllm package directory or a release number such as 0.34.0 (default: .venv-vllm's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--import-check", action="store_true", help="also import each adapted module inside vLLM")
+    parser.add_argument("--jobs", type=int, default=1, help="processes for the codemod (default 1)")
     args = parser.parse_args()
-    if not (args.vllm / "model_executor" / "models").is_dir():
-        print(f"--vllm {args.vllm}: not a vllm package directory (no model_executor/models/)", file=sys.stderr)
-        return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    result = survey(args.vllm, args.import_check)
+    from pipespec.errors import UsageError
+
+    try:
+        result = survey(args.vllm, args.import_check, max(1, args.jobs))
+    except UsageError as exc:
+        print(f"--vllm: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
     for r in result["rows"]:  # type: ignore[union-attr]
         extra = f"  [import: {r['import']}]" if r["import"] not in (None, "ok") else ""
         print(f"{r['status']:9} {r['file']}:{r['class']}  {r['reason']}{extra}")
-    print(f"PP decoders: {result['decoders']}  {result['counts']}  files without a PP decoder: "
-          f"{result['files_without_pp_decoder']}  import failures: {result['import_failures']} "
+    print(f"vLLM {result['vllm']}: PP decoders: {result['decoders']}  {result['counts']}  files with a PP hand-off "
+          f"adapted, unchanged or supported: {result['files_ready']} of {result['files_with_pp_handoff']}  "
+          f"import failures: {result['import_failures']} "
           f"(+{result['import_env_failures']} whose original does not import here either)")
     return 0
 

@@ -8,6 +8,8 @@ Exit status 1 when any type ``failed``: an adaptation that ran but disagreed is 
 
 ``--engine vllm`` checks vLLM-native adaptation instead: every PP decoder of the installed vLLM, adapted
 by ``adapt_vllm_module`` and checked inside vLLM at PP=1 and PP=2 (``pipespec.integrations.vllm.zoo``).
+``--engine vllm --source TREE_OR_VERSION`` runs the codemod and the support verdicts over any vLLM tree's
+source without importing vLLM (``pipespec.codegen.vllm_source_zoo``, ``zoo_vllm_source``).
 
 This module is the arguments and what both engines share (printing, writing the report, the exit
 status); ``zoo_transformers`` and ``zoo_vllm`` run each engine. It imports neither torch nor vLLM:
@@ -28,12 +30,19 @@ from pipespec.cli.args import int_list, positive_int
 
 HELP = "verify adaptation over every causal-LM type of the installed transformers (or vLLM: --engine vllm)"
 ENGINES = ("transformers", "vllm")
+#: The numeric vLLM zoo's section of docs/coverage-vllm.md (the source zoo writes ``vllm-source <release>``).
+VLLM_SECTION = "vllm-zoo"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine", choices=ENGINES, default="transformers",
         help="transformers (default): HF modeling code; vllm: every PP decoder of the installed vLLM, checked inside vLLM",
+    )
+    parser.add_argument(
+        "--source", metavar="TREE_OR_VERSION",
+        help="--engine vllm only: the codemod and the support verdicts over a vLLM tree (a directory, or a release "
+             "such as 0.34.0, fetched once) without importing vLLM; --write-coverage replaces that release's section",
     )
     parser.add_argument(
         "--files", metavar="A.py,B.py",
@@ -51,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.source is not None:
+        from pipespec.cli.zoo_vllm_source import run_vllm_source
+
+        return run_vllm_source(args)
     if args.engine == "vllm":
         from pipespec.cli.zoo_vllm import run_vllm
 
@@ -71,14 +84,24 @@ def run_facts(load: float) -> dict[str, Any]:
 
 
 def finish(args: argparse.Namespace, results: Sequence[Any], table: str, markdown: Callable[[], str]) -> int:
-    """Print ``--json`` or the table, write ``--write-coverage`` (atomically), and exit 1 when any result failed."""
+    """Print ``--json`` or the table, write ``--write-coverage`` (atomically), and exit 1 when any result failed.
+
+    The vLLM zoo's report is one section (``VLLM_SECTION``) of a file it shares with the source zoo's
+    per-release tables (``pipespec.cli.report_sections``), replaced alone; the transformers zoo's is the
+    whole file."""
+    section = VLLM_SECTION if args.engine == "vllm" else None
     if args.json:
         print(json.dumps([r.to_json() for r in results]))
     else:
         print(table)
     if args.write_coverage:
-        from pipespec.codegen.write import write_atomic
+        if section is not None:
+            from pipespec.cli.report_sections import write_section
 
-        write_atomic(args.write_coverage, markdown())
+            write_section(args.write_coverage, section, markdown())
+        else:
+            from pipespec.codegen.write import write_atomic
+
+            write_atomic(args.write_coverage, markdown())
         print(f"wrote {args.write_coverage}", file=sys.stderr)
     return 1 if any(r.status == "failed" for r in results) else 0

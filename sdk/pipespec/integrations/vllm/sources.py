@@ -28,6 +28,9 @@ SOURCES_ENV = "PIPESPEC_VLLM_SOURCES"
 VERSION = re.compile(r"^\d+\.\d+(\.\d+)?([.+-]?[A-Za-z0-9.]+)?$")
 FETCH_TIMEOUT_S = 600.0
 MODELS = Path("model_executor") / "models"
+#: What pip prints when the index cannot be reached (its retry warnings).
+NETWORK_SIGNS = ("Failed to establish a new connection", "NewConnectionError", "Temporary failure in name resolution",
+                 "Network is unreachable", "Max retries exceeded", "Read timed out", "ConnectTimeoutError")
 
 
 def sources_cache() -> Path:
@@ -100,7 +103,7 @@ def fetch_release(version: str) -> Path:
 
 
 def _download(version: str, into: Path) -> Path:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q",
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                "--disable-pip-version-check", "-d", str(into), f"vllm=={version}"]
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=FETCH_TIMEOUT_S)
@@ -109,10 +112,12 @@ def _download(version: str, into: Path) -> Path:
                          f"fetch it where there is one, unpack it and pass --source DIR") from None
     if proc.returncode != 0:
         text = proc.stderr + proc.stdout
-        if "No matching distribution" in text or "Could not find a version" in text:
-            why = "no such release on the package index"
-        elif any(s in text for s in ("Connection", "resolve", "Network", "network", "Max retries", "timed out")):
+        if any(s in text for s in NETWORK_SIGNS):
             why = "the package index cannot be reached (no network?)"
+        elif "(from versions: none)" in text:  # an unreachable index lists nothing either (retries exhausted)
+            why = "the package index lists no vllm release at all (no network, or an index without vLLM?)"
+        elif "No matching distribution" in text or "Could not find a version" in text:
+            why = "no such release on the package index"
         else:
             lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("WARNING")]
             why = lines[-1][:200] if lines else f"pip exited {proc.returncode}"
@@ -137,3 +142,23 @@ def _unpack_python(wheel: Path, into: Path) -> None:
                     shutil.copyfileobj(src, dst)
     except zipfile.BadZipFile as exc:
         raise UsageError(f"{wheel.name}: not a readable wheel ({exc})") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipespec.integrations.vllm.sources 0.32.0 0.34.0 ...``: fetch each release once (``make sources``);
+    prints each release's cached directory. Bad input or no network: one line, exit 2."""
+    versions = sys.argv[1:] if argv is None else argv
+    if not versions:
+        print("usage: python -m pipespec.integrations.vllm.sources VERSION... (such as 0.34.0)", file=sys.stderr)
+        return 2
+    for version in versions:
+        try:
+            print(f"vllm {version}: {source_tree(version)}")
+        except UsageError as exc:
+            print(f"pipespec: error: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
