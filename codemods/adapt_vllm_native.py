@@ -40,6 +40,7 @@ from pipespec.codemods.vllm_native_helpers import Helpers
 from pipespec.codemods.vllm_native_holders import Holder, adapt_holder, find_holders, share_embed
 from pipespec.codemods.vllm_native_imports import add_imports, stamp
 from pipespec.codemods.vllm_native_index import ClassIndex, ModuleReader, default_reader
+from pipespec.codemods.vllm_native_modules import ModuleSources
 from pipespec.codemods.vllm_native_names import (
     EAGLE3,
     GENERATOR,
@@ -62,6 +63,7 @@ from pipespec.codemods.vllm_native_shape import (
     own_flag,
     residual_read,
 )
+from pipespec.codemods.vllm_native_residual import RESIDUAL_RULES
 from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import UsageError
 
@@ -88,7 +90,7 @@ class VllmAdaptation:
 
 def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = None,
                       spec: AdapterSpec | None = None, absolute_imports: bool | None = None,
-                      read_module: ModuleReader | None = None) -> VllmAdaptation:
+                      read_module: ModuleReader | None = None, residual_rule: str | None = None) -> VllmAdaptation:
     """Rewrite the PP decoders of one vLLM model file to vLLM's EAGLE3-over-PP contract.
 
     ``classes`` names decoders or the ``*ForCausalLM`` classes holding them (default: every PP decoder).
@@ -97,7 +99,10 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
     unknown class. ``read_module(dotted)`` returns the source of a module the file imports from
     (``"qwen3_moe"`` for ``from .qwen3_moe import``, or ``"vllm.model_executor.models.qwen3_moe"``), or
     None; it is how a layer class defined elsewhere is read. Default: the file's siblings where ``label``
-    is a path, else the installed vLLM's source where ``label`` is a path inside it (``vllm/...``).
+    is a path, else the installed vLLM's source where ``label`` is a path inside it (``vllm/...``); pass
+    ``ModuleSources(path)`` to resolve from a file's real place (its package, the vLLM tree it is in).
+    ``residual_rule`` (``"reads"`` | ``"rebinds"``, else the spec's ``residual_rule``) says whether a layer
+    reads the residual it is given, where the layer classes cannot be found from the source.
     Example::
 
         out = adapt_vllm_module(Path("gemma2.py").read_text(), label="gemma2.py")
@@ -124,7 +129,11 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
 
     top = [s for s in module.body if isinstance(s, cst.ClassDef)]
     decoders = [c for c in top if is_pp_decoder(c)]
-    lookup = ClassIndex(module, read_module if read_module is not None else default_reader(label)).lookup
+    read = read_module if read_module is not None else default_reader(label)
+    lookup = ClassIndex(module, read, package=read.package if isinstance(read, ModuleSources) else None).lookup
+    rule = residual_rule if residual_rule is not None else (spec.residual_rule if spec is not None else None)
+    if rule is not None and rule not in RESIDUAL_RULES:
+        raise UsageError(f"residual rule {rule!r} is unknown: use one of {', '.join(RESIDUAL_RULES)}")
     if not decoders:
         present = ", ".join(c.name.value for c in top) or "none"
         raise UsageError(f"{label}: no PP decoder here ({PP_DECODER}; classes here: {present}); "
@@ -134,7 +143,7 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
     if spec is not None and len(chosen) > 1:
         spec_cls = spec.decoder_class_name
         chosen = [d for d in chosen if d.name.value == spec_cls] or chosen
-    edit = _FileEdit(module, top, spec, label, line_of, lookup)
+    edit = _FileEdit(module, top, spec, label, line_of, lookup, rule)
     outcomes = [edit.decoder(dec, holders[dec.name.value]) for dec in chosen]
     if not edit.replace:
         return VllmAdaptation(code, tuple(outcomes))
@@ -149,8 +158,9 @@ class _FileEdit:
     header lists; ``decoder`` adapts one decoder and its holders or records why not."""
 
     def __init__(self, module: cst.Module, top: list[cst.ClassDef], spec: AdapterSpec | None, label: str,
-                 line_of: Callable[[cst.CSTNode], int], lookup: ClassLookup) -> None:
+                 line_of: Callable[[cst.CSTNode], int], lookup: ClassLookup, rule: str | None = None) -> None:
         self.module, self.top, self.spec, self.label, self.line_of, self.lookup = module, top, spec, label, line_of, lookup
+        self.rule = rule
         self.replace: dict[int, cst.ClassDef] = {}
         self.needed: set[str] = set()
         self.adapted_names: list[str] = []
@@ -178,7 +188,7 @@ class _FileEdit:
 
     def _residual_rule(self, dec: cst.ClassDef, plan: ForwardPlan) -> ForwardPlan:
         if plan.residual is not None and not plan.own_capture and plan.before_capture is None:
-            reads = residual_read(dec, plan, self.lookup, {c.name.value for c in self.top})
+            reads = residual_read(dec, plan, self.lookup, {c.name.value for c in self.top}, self.rule)
             if isinstance(reads, tuple):
                 plan = replace_plan(plan, stale_for=reads)
             elif not reads:

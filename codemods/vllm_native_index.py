@@ -5,13 +5,13 @@ imports vLLM nor the modules it reads."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
 import libcst as cst
 import libcst.matchers as m
 
+from pipespec.codemods.vllm_native_modules import ModuleSources, absolute_name, installed_vllm
 from pipespec.codemods.vllm_native_names import code_of_exact
 from pipespec.codemods.vllm_native_shape import ClassLookup
 
@@ -19,36 +19,17 @@ ModuleReader = Callable[[str], "str | None"]
 
 
 def default_reader(label: str) -> ModuleReader:
-    """Siblings of ``label`` on disk; else, for a label inside vLLM (``vllm/model_executor/models/x.py``, or
-    relative to the package: ``model_executor/...``, ``models/...``), the installed vLLM's source (found
-    with ``importlib.util.find_spec``, which does not import it)."""
+    """``ModuleSources`` for ``label`` where it is a file on disk; else, for a label inside vLLM
+    (``vllm/model_executor/models/x.py``, or relative to the package: ``model_executor/...``, ``models/...``),
+    for that file of the installed vLLM (found without importing it); else a reader that finds nothing."""
     path = Path(label.split(" (")[0])
-    base: Path | None = path.parent if path.is_file() else None
+    if path.is_file():
+        return ModuleSources(path)
     inside = path.parts[1:] if path.parts[:1] == ("vllm",) else path.parts  # "vllm/models/..." or "models/..."
-    if base is None and inside[:1] in (("model_executor",), ("models",)):
-        found = importlib.util.find_spec("vllm")
-        if found is not None and found.origin is not None:
-            candidate = Path(found.origin).parent.joinpath(*inside)
-            base = candidate.parent if candidate.is_file() else None
-    # The vLLM package the file lives in (a directory named vllm that holds model_executor/: not any
-    # directory named vllm, such as a project's tests/vllm/).
-    root = next((p for p in ([base, *base.parents] if base else [])
-                 if p.name == "vllm" and (p / "model_executor").is_dir()), None)
-    if root is None and base is not None:  # an out-of-tree module: its `from vllm.<...> import` are the installed vLLM's
-        found = importlib.util.find_spec("vllm")
-        root = Path(found.origin).parent if found is not None and found.origin is not None else None
-
-    def read(dotted: str) -> str | None:
-        if base is None:
-            return None
-        relative = not dotted.startswith("vllm.")
-        target = module_path(dotted, 1 if relative else 0, base / "_", root) if relative or root else None
-        try:
-            return target.read_text(encoding="utf-8") if target is not None else None
-        except OSError:
-            return None
-
-    return read
+    installed = installed_vllm()
+    if installed is not None and inside[:1] in (("model_executor",), ("models",)):
+        return ModuleSources(installed.joinpath(*inside), vllm_root=installed)
+    return lambda dotted: None
 
 
 def module_path(module: str, level: int, importer: Path, package_root: Path | None, *,
@@ -76,11 +57,15 @@ def module_path(module: str, level: int, importer: Path, package_root: Path | No
 
 
 class ClassIndex:
-    """Classes by name as one module sees them: its own, and those it imports (``from .x import C`` or
-    ``from vllm.<...>.x import C``) from modules ``read`` finds, each parsed once."""
+    """Classes by name as one module sees them: its own, and those it imports (``from .x import C``,
+    ``from vllm.<...>.x import C``, ``from mypkg.x import C``) from modules ``read`` finds, each parsed once.
+    ``package``: the package the module's relative imports start from, when known (they are then read by
+    their absolute name); else ``read`` is given them relative (``".x"``, ``"..x"``)."""
 
-    def __init__(self, module: cst.Module, read: ModuleReader, cache: dict[str, cst.Module | None] | None = None) -> None:
+    def __init__(self, module: cst.Module, read: ModuleReader, cache: dict[str, cst.Module | None] | None = None,
+                 package: str | None = None) -> None:
         self.read = read
+        self.package = package
         self.cache: dict[str, cst.Module | None] = cache if cache is not None else {}
         self.classes = {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
         self.imports: dict[str, tuple[str, str]] = {}  # local name -> (module, its name there)
@@ -95,10 +80,10 @@ class ClassIndex:
             if not m.matches(stmt, m.SimpleStatementLine(body=[m.ImportFrom()])):
                 continue
             imp = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.ImportFrom)
-            if imp.module is None or isinstance(imp.names, cst.ImportStar) or len(imp.relative) > 1:
+            if imp.module is None or isinstance(imp.names, cst.ImportStar):
                 continue
-            dotted = code_of_exact(imp.module)
-            if not imp.relative and not dotted.startswith("vllm."):
+            dotted = absolute_name("." * len(imp.relative) + code_of_exact(imp.module), package)
+            if dotted is None:
                 continue
             for alias in imp.names:
                 local = alias.asname.name if alias.asname else alias.name
@@ -124,12 +109,8 @@ class ClassIndex:
         parsed = self.cache[dotted]
         if parsed is None:
             return []
-        if dotted.startswith("vllm."):  # its relative imports are relative to its own package
-            package = dotted.rsplit(".", 1)[0]
-            read = self.read
+        # its relative imports start from its own package (unknown when it was itself reached relatively)
+        inner = None if dotted.startswith(".") else (
+            self.read.package_of(dotted) if isinstance(self.read, ModuleSources) else dotted.rpartition(".")[0])
+        return ClassIndex(parsed, self.read, self.cache, inner).lookup(there)
 
-            def sibling(rel: str) -> str | None:
-                return read(rel if rel.startswith("vllm.") else f"{package}.{rel}")
-
-            return ClassIndex(parsed, sibling).lookup(there)
-        return ClassIndex(parsed, self.read, self.cache).lookup(there)

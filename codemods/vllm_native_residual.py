@@ -22,12 +22,43 @@ from pipespec.codemods.vllm_native_loop import (
     methods,
     params_of,
 )
+from pipespec.contract.spec import RESIDUAL_RULES
 
 # ------------------------------------------------------------------ does a layer read the residual?
 _NOT_LAYERS = frozenset({"make_layers", "maybe_prefix", "extract_layer_index", "PPMissingLayer", *dir(builtins)})
+WAY_OUT = ("; where you know which, state it: `adapter-gen FILE --dialect vllm --residual-rule reads` (a layer "
+           "reads the residual it is given, vLLM's pre-norm convention) or `--residual-rule rebinds` (it rebinds "
+           "it first), or model.residual_rule in a vllm-dialect adapter spec")
 
-def residual_read(cls: cst.ClassDef, plan: ForwardPlan, lookup: ClassLookup,
-                  own_classes: set[str] | None = None) -> bool | tuple[str, tuple[str, ...]]:
+
+__all__ = ["RESIDUAL_RULES", "WAY_OUT", "UnknownLayers", "residual_read", "unsent_stale_residual"]
+
+
+class UnknownLayers(Decline):
+    """The layer classes (or their ``forward``) cannot be found from the source: only a stated rule helps."""
+
+
+def residual_read(cls: cst.ClassDef, plan: ForwardPlan, lookup: ClassLookup, own_classes: set[str] | None = None,
+                  rule: str | None = None) -> bool | tuple[str, tuple[str, ...]]:
+    """``_residual_read`` (below), with ``rule`` (one of ``RESIDUAL_RULES``) standing in where the layer
+    classes cannot be found; where they are found, a rule they contradict is declined, never obeyed."""
+    try:
+        found = _residual_read(cls, plan, lookup, own_classes)
+    except UnknownLayers:
+        if rule is None:
+            raise
+        return rule == "reads"
+    if rule is not None and found is not (rule == "reads"):
+        told = ("some layer classes read it and others rebind it" if isinstance(found, tuple)
+                else "its layer classes " + ("read it" if found else "rebind it before reading it"))
+        raise Decline(f"residual rule {rule!r} was stated, but the source says otherwise: {told} "
+                      f"(read from {cls.name.value}'s layers); drop --residual-rule (or model.residual_rule)",
+                      plan.loop.node)
+    return found
+
+
+def _residual_read(cls: cst.ClassDef, plan: ForwardPlan, lookup: ClassLookup,
+                   own_classes: set[str] | None = None) -> bool | tuple[str, tuple[str, ...]]:
     """Whether the decoder's layers read the residual the loop passes them.
 
     False where every layer class's ``forward`` rebinds that parameter before reading it (post-norm and
@@ -57,9 +88,9 @@ def residual_read(cls: cst.ClassDef, plan: ForwardPlan, lookup: ClassLookup,
     found = _layer_classes(cls, plan.loop.layers_attr, lookup)
     if isinstance(found, cst.CSTNode):
         built = f"`{code_of(found)}`" if not isinstance(found, cst.Name) else f"{found.value} of {cls.name.value} or a base"
-        raise Decline(f"the layer classes of self.{plan.loop.layers_attr} cannot be found from the source (built by "
-                      f"{built}), so whether a layer reads the residual it returns cannot be told: "
-                      "the stream at a layer boundary is hidden_states + residual only if it does", call)
+        raise UnknownLayers(f"the layer classes of self.{plan.loop.layers_attr} cannot be found from the source (built by "
+                            f"{built}), so whether a layer reads the residual it returns cannot be told: "
+                            f"the stream at a layer boundary is hidden_states + residual only if it does{WAY_OUT}", call)
     verdicts: dict[str, bool] = {}
     for layer, layer_lookup in found:
         verdicts[layer.name.value] = _forward_reads(layer, layer_lookup, slot, plan.residual, call)
@@ -115,8 +146,8 @@ def _forward_reads(layer: cst.ClassDef, lookup: ClassLookup, slot: int | str, re
                 break
         seen += 1
         if nxt is None or seen > 5:
-            raise Decline(f"{layer.name.value} defines no forward and its bases cannot be found from the source, so "
-                          "whether a layer reads the residual cannot be told", call)
+            raise UnknownLayers(f"{layer.name.value} defines no forward and its bases cannot be found from the source, "
+                                f"so whether a layer reads the residual cannot be told{WAY_OUT}", call)
         layer, lookup = nxt
     fn = methods(layer)["forward"]
     p = fn.params

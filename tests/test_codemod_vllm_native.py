@@ -616,7 +616,7 @@ def test_layer_class_in_an_imported_module_is_read_through_read_module() -> None
     source = _toy_with_layer("\n").replace("    from .interfaces import SupportsPP\n",
                                            "    from .interfaces import SupportsPP\n    from .toy_layers import ToyLayer\n")
     sibling = "from torch import nn\n\n" + textwrap.dedent(POST_NORM_LAYER)
-    read = {"toy_layers": sibling}.get
+    read = {".toy_layers": sibling}.get  # a relative import reaches a reader with its dots
     assert "idx + 1, hidden_states, None\n" in adapt(source, read_module=read).code
     (outcome,) = adapt(source, read_module=lambda dotted: None).decoders
     assert outcome.status == "declined"

@@ -1,6 +1,8 @@
 """``adapter-gen`` (also ``pipespec adapter-gen``): adapt a model source file, or scaffold a new adapter.
 
-    adapter-gen FILE [--class NAME] [--dialect hf|vllm|pipespec] [--spec FILE] [--diff | --out FILE | --in-place | --check]
+    adapter-gen FILE [--class NAME] [--dialect hf|vllm|pipespec] [--spec FILE] [--residual-rule reads|rebinds]
+                [--diff | --out FILE | --in-place | --check]
+    adapter-gen DIR [--dialect vllm] [--residual-rule reads|rebinds] [--diff | --out DIR2 | --in-place | --check]
     adapter-gen --hf MODEL_TYPE [--class NAME] [--spec FILE] [--diff | --out FILE | --check]
     adapter-gen new MODEL_TYPE [--out-dir DIR] [--force]
 
@@ -8,6 +10,20 @@ Dialects: ``vllm`` (detected for vLLM-style files) emits vLLM >= 0.32's own EAGL
 every PP decoder of FILE or the one ``--class`` names (a decoder or its ``*ForCausalLM``); ``pipespec``
 emits vLLM-style source run by pipespec's own runtime (``AuxHiddenStatesMixin``); ``hf`` adapts
 transformers modeling code. ``--class`` is required for ``hf`` and ``pipespec``.
+
+``--residual-rule reads|rebinds`` (vllm dialect; also ``model.residual_rule`` in a vllm-dialect spec)
+states whether a decoder layer reads the residual it is given (vLLM's pre-norm convention) or rebinds it
+first, for files whose layer classes cannot be found from the source (layers injected through
+``__init__``); where they are found, a rule they contradict declines the decoder.
+
+A directory (vllm dialect): every ``*.py`` under DIR (sorted; hidden and ``__pycache__`` directories
+skipped) with a PP decoder is adapted as FILE would be, each file resolving its imports from its own place.
+``--diff`` prints every changed file's diff; ``--in-place`` rewrites the changed files; ``--out DIR2``
+writes a copy of DIR's ``*.py`` files at the same relative paths (adapted where adapted, the others
+byte-identical, so DIR2 imports as DIR did; DIR2 is created if its parent exists, and may not be DIR or
+inside it); ``--check`` exits 1 when a file (or, with ``--out``, its copy in DIR2) is not up to date.
+Every output is computed before anything is written. Exit 1 also when a file with a PP decoder had every
+decoder declined (each reason is printed); ``--class`` and ``--spec`` name one file's classes: give FILE.
 
 Modes: ``--diff`` (default) prints a unified diff and writes nothing; ``--out FILE`` writes the adapted
 module there; ``--in-place`` rewrites FILE; ``--check`` exits 1 when FILE (or, with ``--out``, the
@@ -25,7 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipespec.contract.spec import DIALECTS
+from pipespec.contract.spec import DIALECTS, RESIDUAL_RULES
 from pipespec.errors import UsageError
 
 if TYPE_CHECKING:  # codegen imports libcst: loaded only when a command needs it
@@ -34,7 +50,9 @@ if TYPE_CHECKING:  # codegen imports libcst: loaded only when a command needs it
 HELP = "adapt a model's forward for aux hidden states over PP (vLLM-style or HF code), or scaffold a new adapter"
 PROG = "adapter-gen"
 USAGE = (
-    "adapter-gen FILE [--class NAME] [--dialect {hf,vllm,pipespec}] [--spec FILE] [--diff | --out FILE | --in-place | --check]\n"
+    "adapter-gen FILE [--class NAME] [--dialect {hf,vllm,pipespec}] [--spec FILE] [--residual-rule {reads,rebinds}]\n"
+    "                   [--diff | --out FILE | --in-place | --check]\n"
+    "       adapter-gen DIR [--dialect vllm] [--residual-rule {reads,rebinds}] [--diff | --out DIR2 | --in-place | --check]\n"
     "       adapter-gen --hf MODEL_TYPE [--class NAME] [--spec FILE] [--diff | --out FILE | --check]\n"
     "       adapter-gen new MODEL_TYPE [--out-dir DIR] [--force]"
 )
@@ -50,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf", metavar="MODEL_TYPE", help="adapt the installed transformers modeling module of MODEL_TYPE")
     parser.add_argument("--dialect", choices=DIALECTS, help="source dialect (default: detected from the forward signature)")
     parser.add_argument("--spec", metavar="FILE", help="adapter spec TOML (default: registry lookup, else inferred)")
+    parser.add_argument("--residual-rule", choices=RESIDUAL_RULES,
+                        help="vllm dialect: a layer reads the residual it is given (reads) or rebinds it first (rebinds); "
+                             "for layer classes that cannot be found from the source")
     parser.add_argument("--diff", action="store_true", help="print a unified diff, write nothing (the default)")
     parser.add_argument("--out", metavar="FILE", help="write the adapted module to FILE")
     parser.add_argument("--in-place", action="store_true", help="rewrite FILE itself")
@@ -68,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--out-dir", args.out_dir), ("--force", args.force)):
         if value:
             raise UsageError(f"{flag} only applies to `adapter-gen new MODEL_TYPE`")
+    if len(args.target) == 1 and Path(args.target[0]).is_dir():
+        from pipespec.cli.adapter_gen_dir import run_dir
+
+        return run_dir(args)
     return _run_adapt(args)
 
 
@@ -81,17 +106,23 @@ def _run_adapt(args: argparse.Namespace) -> int:
     if args.out is not None and modes and modes[0] != "--check":
         raise _conflict("--out", modes[0], "choose one mode (--diff, --out FILE, --in-place or --check [--out FILE])")
     target, dialect = _target_and_dialect(args)
+    if args.residual_rule is not None and dialect != "vllm":
+        raise UsageError(f"--residual-rule {args.residual_rule}: applies to the vllm dialect only, and {target.label} "
+                         f"is adapted as {dialect}: drop it, or pass a vLLM model file (--dialect vllm)")
     if args.out is not None and not args.check:
         parent = Path(args.out).parent
         if not parent.is_dir():
             raise UsageError(f"--out {args.out}: directory {parent} does not exist; create it or choose another --out path")
     spec = codegen.resolve_spec(target, dialect, args.spec)
+    if spec is not None and spec.residual_rule is not None and args.residual_rule not in (None, spec.residual_rule):
+        raise UsageError(f"--residual-rule {args.residual_rule} contradicts spec {spec.name} ({spec.source}): "
+                         f"model.residual_rule = {spec.residual_rule!r}; drop one of the two")
     if spec is not None and spec.dialect != dialect:
         print(f"{PROG}: warning: spec {spec.name} ({spec.source}) is for the {spec.dialect} dialect; "
               f"the source is adapted as {dialect}", file=sys.stderr)
     write_to = Path(args.out) if args.out else (target.path if args.in_place else None)
     outcome = codegen.adapt_target(target, dialect, spec, regenerate=_regenerate_command(args, target),
-                                   out=Path(args.out) if args.out else None)
+                                   out=Path(args.out) if args.out else None, residual_rule=args.residual_rule)
     for warning in outcome.warnings:
         print(f"{PROG}: warning: {target.label}: {warning}", file=sys.stderr)
 
@@ -177,6 +208,8 @@ def _regenerate_command(args: argparse.Namespace, target: Target, mode: str | No
         words += ["--dialect", args.dialect]
     if args.spec:
         words += ["--spec", codegen.project_label(Path(args.spec))]
+    if args.residual_rule:
+        words += ["--residual-rule", args.residual_rule]
     if mode is not None:
         words.append(mode)
     elif args.out is not None:
@@ -191,7 +224,7 @@ def _run_new(args: argparse.Namespace) -> int:
     from pipespec import codegen
 
     for flag, value in (("--class", args.class_name), ("--hf", args.hf), ("--dialect", args.dialect),
-                        ("--spec", args.spec), ("--out", args.out), ("--diff", args.diff),
+                        ("--spec", args.spec), ("--residual-rule", args.residual_rule), ("--out", args.out), ("--diff", args.diff),
                         ("--in-place", args.in_place), ("--check", args.check)):
         if value:
             raise UsageError(f"{flag} does not apply to `adapter-gen new MODEL_TYPE` (it takes --out-dir DIR and --force)")

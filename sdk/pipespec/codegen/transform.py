@@ -52,15 +52,20 @@ class Outcome:
 
 
 def adapt_target(target: Target, dialect: str | None = None, spec: AdapterSpec | None = None,
-                 regenerate: str | None = None, out: Path | None = None) -> Outcome:
-    """Adapt ``target.class_name`` and stamp the header; never raises for a shape it cannot adapt."""
+                 regenerate: str | None = None, out: Path | None = None, residual_rule: str | None = None) -> Outcome:
+    """Adapt ``target.class_name`` and stamp the header; never raises for a shape it cannot adapt.
+    ``residual_rule`` (vllm dialect only): whether a layer reads the residual it is given, where the
+    layer classes cannot be found from the source."""
     if dialect is not None and dialect not in DIALECTS:
         raise UsageError(f"--dialect {dialect!r} is unknown: use one of {', '.join(DIALECTS)}")
     if target.class_name is None or (dialect or detect_module_dialect(target.module)) == "vllm":
         dialect = dialect or detect_module_dialect(target.module)
         if dialect != "vllm":
             raise UsageError(f"{target.label}: --class NAME is required for the {dialect} dialect (the decoder-stack class to adapt)")
-        return _adapt_vllm_native(target, spec, out)
+        return _adapt_vllm_native(target, spec, out, residual_rule)
+    if residual_rule is not None:
+        raise UsageError(f"--residual-rule applies to the vllm dialect only, not to {dialect or 'this'} source "
+                         f"({target.label}): drop it, or pass a vLLM model file with --dialect vllm")
     node = find_class(target.module, target.class_name, target.label)
     dialect = dialect or detect_dialect(node)
     label = spec_label(spec)
@@ -99,12 +104,14 @@ def adapt_target(target: Target, dialect: str | None = None, spec: AdapterSpec |
     return Outcome("adapted", stamp_header(code, entry), dialect, label, warnings=warnings)
 
 
-def _adapt_vllm_native(target: Target, spec: AdapterSpec | None, out: Path | None = None) -> Outcome:
+def _adapt_vllm_native(target: Target, spec: AdapterSpec | None, out: Path | None = None,
+                       residual_rule: str | None = None) -> Outcome:
     """The vllm dialect: every PP decoder of the file (or the one named), vLLM's own contract.
 
     A file inside a vLLM tree written elsewhere (``out`` in another directory) gets absolute imports, so
     the copy imports what the original did."""
     from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
+    from pipespec.codemods.vllm_native_modules import ModuleSources
 
     vllm_contract_source(target.path)
     package = target.package
@@ -113,7 +120,8 @@ def _adapt_vllm_native(target: Target, spec: AdapterSpec | None, out: Path | Non
         package = ".".join(target.path.resolve().parent.relative_to(root.parent).parts)
     classes = None if target.class_name is None else [target.class_name]
     result = adapt_vllm_module(target.code, label=target.label, classes=classes, spec=spec,
-                               absolute_imports=True if package is not None else None)
+                               absolute_imports=True if package is not None else None,
+                               read_module=ModuleSources(target.path), residual_rule=residual_rule)
     if package is not None and result.code != target.code:
         result = type(result)(absolutize_imports(cst.parse_module(result.code), package).code, result.decoders)
     label = spec_label(spec)

@@ -26,6 +26,7 @@ else:  # pragma: no cover
 
 DIALECTS = ("hf", "vllm", "pipespec")  # pipespec: vLLM-style source run by pipespec's own runtime
 CAPTURES = ("hidden", "hidden + residual")
+RESIDUAL_RULES = ("reads", "rebinds")  # does a vLLM layer read the residual it is given, or rebind it first?
 DEFAULT_ID_RULES = ("eagle3",)
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -49,6 +50,7 @@ _SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], bool]]] = {
         "residual": (bool, False),
         "capture": (str, False),
         "num_layers_key": (str, False),
+        "residual_rule": (str, False),
     },
     "aux": {
         "default_ids": ((str, list), False),
@@ -83,6 +85,7 @@ class AdapterSpec:
     residual: bool = False
     capture: str = "hidden"
     num_layers_key: str = "num_hidden_layers"
+    residual_rule: str | None = None  # vllm dialect: "reads" | "rebinds", where the layer classes cannot be read
     default_ids: str | tuple[int, ...] = "eagle3"
     boundary_rule: str = "allow"
     share_target_embed: bool = True
@@ -144,6 +147,13 @@ def validate_spec(spec: AdapterSpec) -> None:
         _check_ident(src, "embed.decoder_attr", spec.embed_decoder_attr)
     if spec.capture not in CAPTURES:
         raise _err(src, "model.capture", spec.capture, f"use one of {', '.join(repr(c) for c in CAPTURES)}")
+    if spec.residual_rule is not None:
+        if spec.residual_rule not in RESIDUAL_RULES:
+            raise _err(src, "model.residual_rule", spec.residual_rule, f"use one of {', '.join(RESIDUAL_RULES)}")
+        if spec.dialect != "vllm":
+            raise SpecError(f"{src}: model.residual_rule = {spec.residual_rule!r} applies to vLLM model files only "
+                            f"(adapter.dialect = \"vllm\"), not to this {spec.dialect}-dialect spec of "
+                            f"{spec.decoder_class}: remove it, or set adapter.dialect = \"vllm\"")
     if spec.capture == "hidden + residual" and not spec.residual:
         raise SpecError(f"{src}: model.capture = 'hidden + residual' needs model.residual = true")
     if isinstance(spec.default_ids, str):

@@ -151,10 +151,15 @@ def _codemod_fingerprint() -> str:
     return digest.hexdigest()
 
 
-def _build_key(module_name: str, source: str, spec: SpecChoice) -> str:
-    """What the adapted code depends on: the source, pipespec, the codemod's files, the name, the spec."""
+def _build_key(module_name: str, source: str, spec: SpecChoice, source_file: str | None = None) -> str:
+    """What the adapted code depends on: the source, pipespec, the codemod's files, the name, the spec,
+    and for a module outside vLLM its directory's other ``*.py`` (where its layer classes may live)."""
     key = hashlib.sha256()
-    for part in (source, pipespec.__version__, _codemod_fingerprint(), module_name, repr(spec.spec)):
+    siblings = ""
+    if source_file is not None and not module_name.startswith("vllm."):
+        siblings = "".join(p.name + p.read_text(encoding="utf-8", errors="replace")
+                           for p in sorted(Path(source_file).parent.glob("*.py")) if str(p) != source_file)
+    for part in (source, pipespec.__version__, _codemod_fingerprint(), module_name, repr(spec.spec), siblings):
         key.update(part.encode())
         key.update(b"\0")
     return key.hexdigest()
@@ -194,7 +199,7 @@ def build_adapted_source(module_name: str) -> AdaptedSource:
         raise UnsupportedModelError(f"{architecture}: the source of {original} is not readable, so pipespec cannot adapt it")
     source = Path(source_file).read_text(encoding="utf-8")
     spec = choose_spec(architecture, cls)
-    key = _build_key(module_name, source, spec)
+    key = _build_key(module_name, source, spec, source_file)
     if key in _MEMO:
         return _MEMO[key]
     cache_file = _cache_path(module_name, key)
@@ -210,10 +215,14 @@ def build_adapted_source(module_name: str) -> AdaptedSource:
 def _run_codemod(module_name: str, original: str, class_name: str, architecture: str, source: str, source_file: str,
                  spec: SpecChoice, key: str, cache_file: Path | None) -> AdaptedSource:
     from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
+    from pipespec.codemods.vllm_native_modules import ModuleSources, imported_modules
 
     in_tree = original.startswith("vllm.")
+    # The layer classes are read where this process imported them from (ModuleSources: the same rule as
+    # adapter-gen FILE, plus the modules already imported here).
     adaptation = adapt_vllm_module(source, label=source_file, classes=[class_name], spec=spec.spec,
-                                   absolute_imports=not in_tree)
+                                   absolute_imports=not in_tree,
+                                   read_module=ModuleSources(Path(source_file), loaded=imported_modules))
     outcome = next((d for d in adaptation.decoders if class_name in d.causal_lm or d.class_name == class_name), None)
     if outcome is None:
         raise UnsupportedModelError(

@@ -356,7 +356,10 @@ def _parsed(path: str) -> Any:
 
 def adapt_files(files: Sequence[str], progress: Callable[[str], None] | None = None) -> list[tuple[str, Any, str | None, str]]:
     """(file, decoder outcome, adapted code or None, installed source) for every PP decoder in ``files``."""
+    from pathlib import Path
+
     from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
+    from pipespec.codemods.vllm_native_modules import ModuleSources
     from pipespec.errors import UsageError
 
     root = vllm_root()
@@ -367,7 +370,7 @@ def adapt_files(files: Sequence[str], progress: Callable[[str], None] | None = N
         with open(os.path.join(root, rel), encoding="utf-8") as f:
             code = f.read()
         try:
-            adaptation = adapt_vllm_module(code, label=rel)
+            adaptation = adapt_vllm_module(code, label=rel, read_module=ModuleSources(Path(os.path.join(root, rel))))
         except UsageError:
             continue  # no PP decoder in this file
         for outcome in adaptation.decoders:
