@@ -32,34 +32,24 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM = ROOT / ".venv-vllm" / "lib" / "python3.11" / "site-packages" / "vllm"
 
 
-def model_files(vllm_dir: Path) -> list[Path]:
-    files = sorted((vllm_dir / "model_executor" / "models").rglob("*.py")) + sorted((vllm_dir / "models").rglob("*.py"))
-    return [f for f in files if "__pycache__" not in f.parts and not f.stem.endswith("_pipespec")]
-
-
-def survey(vllm_dir: Path, import_check: bool = False) -> dict[str, object]:
+def survey(source: str, import_check: bool = False, jobs: int = 1) -> dict[str, object]:
+    from pipespec.codegen.vllm_source_zoo import run_source_zoo
     from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
-    from pipespec.codemods.vllm_native_modules import ModuleSources
-    from pipespec.errors import UsageError
+    from pipespec.codemods.vllm_native_index import default_reader
 
-    rows: list[dict[str, object]] = []
-    files_without = 0
-    for path in model_files(vllm_dir):
-        rel = path.relative_to(vllm_dir.parent).as_posix()
-        try:
-            result = adapt_vllm_module(path.read_text(encoding="utf-8"), label=rel, read_module=ModuleSources(path))
-        except UsageError:
-            files_without += 1
-            continue
-        imported = None
-        if import_check and any(d.status == "adapted" for d in result.decoders):
-            imported = import_adapted(path, result.code, vllm_dir)
-        for d in result.decoders:
-            rows.append({"file": rel, "class": d.class_name, "status": d.status, "reason": d.reason,
-                         "causal_lm": list(d.causal_lm), "decoder_attr": d.decoder_attr,
-                         "import": imported if d.status == "adapted" else None})
+    zoo = run_source_zoo(source, jobs=jobs)
+    imported: dict[str, str] = {}
+    if import_check:
+        for rel in dict.fromkeys(r.file for r in zoo.rows if r.codemod == "adapted"):
+            path = zoo.tree / rel
+            code = adapt_vllm_module(path.read_text(encoding="utf-8"), label=f"vllm/{rel}",
+                                     read_module=default_reader(str(path))).code
+            imported[rel] = import_adapted(path, code, zoo.tree)
+    rows = [{**r.to_json(), "import": imported.get(r.file) if r.codemod == "adapted" else None} for r in zoo.rows]
     counts = Counter(str(r["status"]) for r in rows)
-    return {"decoders": len(rows), "counts": dict(counts), "files_without_pp_decoder": files_without, "rows": rows,
+    return {"vllm": zoo.release, "tree": str(zoo.tree), "decoders": len(rows), "counts": dict(counts),
+            "files_with_pp_handoff": len(zoo.files()), "files_ready": len(zoo.ready_files()),
+            "model_files_read": zoo.files_read, "wall_s": round(zoo.wall_s, 1), "rows": rows,
             "import_failures": sum(1 for r in rows if r["import"] not in (None, "ok") and not str(r["import"]).startswith("env:")),
             "import_env_failures": sum(1 for r in rows if str(r["import"]).startswith("env:"))}
 
