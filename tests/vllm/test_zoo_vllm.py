@@ -74,21 +74,23 @@ def test_llama_as_shipped_is_supported_at_pp1_pp2_and_pp3(pool: WorkerPool) -> N
     assert row.num_layers == 6 and row.aux_layers == (0, 3, 4, 6)
     assert row.sends_stage0 == tuple(plan_layout(6, 2, (0, 3, 4, 6)).stage(0).sends) == (
         "aux_hidden_states_0", "aux_hidden_states_1")
-    assert row.partition_pp3 == (2, 3, 1) and row.aux_layers_pp3 == (0, 2, 3, 5, 6)
+    assert row.partition_pp3 == (3, 1, 2) and row.aux_layers_pp3 == (0, 3, 4, 6)
     plan3 = plan_layout(6, 3, row.aux_layers_pp3, row.partition_pp3)
     assert row.sends_pp3_stage0 == plan3.stage(0).sends
-    assert row.sends_pp3_stage1 == plan3.stage(1).sends == tuple(f"aux_hidden_states_{i}" for i in range(4))
+    assert row.sends_pp3_stage1 == plan3.stage(1).sends == tuple(f"aux_hidden_states_{i}" for i in range(3))
     for err in (row.max_abs_err_pp1, row.max_abs_err_pp2, row.max_abs_err_pp3):
         assert err is not None and err <= 1e-5
 
 
 def test_pp3_ids_put_an_id_on_every_boundary_and_give_the_middle_rank_both_kinds_of_keys() -> None:
-    """For every tiny depth, the PP=3 ids hold 0, N and each stage boundary, and the middle stage both
-    relays upstream keys and packs its own (so the check exercises the relay and the slot base)."""
+    """For every tiny depth, the PP=3 ids hold 0, N and each stage boundary, the first stage owns more than
+    layer 0, and the middle stage both relays upstream keys and packs its own (so the check exercises the
+    relay and the slot base)."""
     for n in range(3, 9):
         partition = pp3_partition(n)
         plan = plan_layout(n, 3, pp3_ids(n, partition), partition)
         assert {0, n, plan.stage(0).end_layer, plan.stage(1).end_layer} <= set(plan.aux_layers)
+        assert plan.stage(0).end_layer >= min(2, n - 2)
         middle = plan.stage(1)
         assert middle.relays and middle.own_keys and middle.sends == middle.relays + middle.own_keys
     with pytest.raises(ValueError, match="at least 3 decoder layers"):
@@ -146,9 +148,8 @@ def test_relative_slots_pass_pp2_and_fail_pp3_on_the_middle_rank(pool: WorkerPoo
     _check(pool, job, row)
     assert row.max_abs_err_pp2 is not None and row.max_abs_err_pp2 <= 1e-5
     assert row.status == "failed"
-    assert row.reason == ("PP=3 (partition [2, 3, 1]) rank 1 packs (its own aux states) ['aux_hidden_states_0', "
-                          "'aux_hidden_states_1'], the layout plan says ['aux_hidden_states_2', 'aux_hidden_states_3'] "
-                          "(ids [0, 2, 3, 5, 6])"), row.reason
+    assert row.reason == ("PP=3 (partition [3, 1, 2]) rank 1 packs (its own aux states) ['aux_hidden_states_0'], "
+                          "the layout plan says ['aux_hidden_states_2'] (ids [0, 3, 4, 6])"), row.reason
 
 
 @pytest.mark.timeout(240)

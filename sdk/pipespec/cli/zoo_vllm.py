@@ -120,13 +120,16 @@ class _VllmProgress:
 
 
 def _vllm_table(results: Sequence[Any]) -> str:
-    """The vLLM zoo's table: one row per decoder (reasons cut at 110 characters), then the counts."""
-    rows = [("file", "decoder", "status", "reason")]
+    """The vLLM zoo's table: one row per decoder (the PP sizes it passed, reasons cut at 110 characters),
+    then the counts."""
+    rows = [("file", "decoder", "status", "passes", "reason")]
     for r in results:
         reason = r.reason if len(r.reason) <= 110 else r.reason[:107] + "..."
-        rows.append((r.file, r.class_name, r.status, reason))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
+        errors = (r.max_abs_err_pp1, r.max_abs_err_pp2, r.max_abs_err_pp3)
+        passes = ",".join(f"PP={p}" for p, e in zip((1, 2, 3), errors) if e is not None) or "-"
+        rows.append((r.file, r.class_name, r.status, passes, reason))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in rows]
     counts = collections.Counter(r.status for r in results)
     lines.append(f"{len(results)} decoders: " + ", ".join(f"{counts[s]} {s}" for s in ("verified", "supported", "declined", "failed")))
     return "\n".join(line.rstrip() for line in lines)

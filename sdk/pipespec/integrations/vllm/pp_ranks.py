@@ -62,34 +62,35 @@ METHOD = "eagle3"
 
 
 def pp3_partition(num_layers: int) -> tuple[int, ...]:
-    """An uneven PP=3 partition whose middle stage owns the most layers (vLLM's own tests use even ones).
+    """An uneven PP=3 partition (vLLM's own tests use even ones): the first half of the layers, one layer in
+    the middle, the rest last.
 
-    The first stage owns two layers where the model has five or more: vLLM's MoE decoders with a dense
-    first layer (``first_k_dense_replace``) look for an MoE layer among their stage's layers at construction
-    and fail, in vLLM itself, on a stage that owns layer 0 alone ("No ... layer found in model.layers").
+    The first stage owns more than layer 0: vLLM's MoE decoders with a dense first layer
+    (``first_k_dense_replace``) look for an MoE layer among their stage's layers at construction and fail,
+    in vLLM itself, on a stage that owns layer 0 alone. Solar's skip connections (layers 1 -> 2 and 4 -> 5 in
+    the zoo's tiny config) stay inside one stage, as vLLM's Solar needs (it never sends the states it keeps).
 
     >>> pp3_partition(6), pp3_partition(3), pp3_partition(8)
-    ((2, 3, 1), (1, 1, 1), (2, 4, 2))
+    ((3, 1, 2), (1, 1, 1), (4, 1, 3))
     """
     if num_layers < 3:
         raise ValueError(f"PP=3 needs at least 3 decoder layers, the model has {num_layers}")
-    first = 2 if num_layers >= 5 else 1
-    last = max(1, (num_layers - first) // 3)
-    return (first, num_layers - first - last, last)
+    first = max(1, num_layers // 2)
+    return (first, 1, num_layers - first - 1)
 
 
 def pp3_ids(num_layers: int, partition: Sequence[int]) -> tuple[int, ...]:
-    """Aux ids with one on every stage boundary (each belongs to the upstream stage), one just after each
-    boundary, id 0 (the first rank's ``start_layer`` capture) and N.
+    """Aux ids on every stage boundary (each belongs to the upstream stage: the middle rank relays the
+    first boundary's and packs the second's), id 0 (the first rank's ``start_layer`` capture) and N.
 
-    >>> pp3_ids(6, (2, 3, 1))
-    (0, 2, 3, 5, 6)
+    >>> pp3_ids(6, (3, 1, 2))
+    (0, 3, 4, 6)
     """
     ids = {0, num_layers}
     bound = 0
     for count in partition[:-1]:
         bound += count
-        ids |= {bound, min(bound + 1, num_layers)}
+        ids.add(bound)
     return tuple(sorted(ids))
 
 
@@ -271,8 +272,9 @@ def run_pipeline(pool: WorkerPool, job: Job, ids: Sequence[int], num_layers: int
     counts per stage, None for vLLM's default) and check each rank against ``plan_layout``.
 
     Raises ``PipelineError`` naming the rank and what differs; values are the caller's to compare
-    (``max_error``). Example: ``run_pipeline(pool, job, (0, 2, 3, 5, 6), 6, 3, (2, 3, 1)).sends(1)``
-    is ``('aux_hidden_states_0', ..., 'aux_hidden_states_3')`` when the middle rank relays as planned.
+    (``max_error``). Example: ``run_pipeline(pool, job, (0, 3, 4, 6), 6, 3, (3, 1, 2)).sends(1)``
+    is ``('aux_hidden_states_0', 'aux_hidden_states_1', 'aux_hidden_states_2')`` when the middle rank relays
+    as planned.
     """
     plan = plan_layout(num_layers, pp, ids, partition)
     request = ("rank", (job, plan.aux_layers, None if partition is None else tuple(partition)))

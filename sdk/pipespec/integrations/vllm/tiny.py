@@ -137,6 +137,10 @@ ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
                           "does not (that code is vLLM's, unchanged by the rewrite); measured with PLE on: PP=2 "
                           "aux id 6 off the PP=1 stream by 6.5, ids 0-4 equal"),
     "Glm4MoeForCausalLM": ({"head_dim": 16}, "vLLM reads config.head_dim, which transformers' Glm4MoeConfig derives"),
+    "GptOssForCausalLM": ({"intermediate_size": 96},
+                          "an expert width divisible by 3: vLLM 0.32's GptOss MoE block asserts intermediate_size % "
+                          "torch.distributed's world size == 0 (every PP rank counted, not its TP group), so the "
+                          "recipe's 128 fails on every rank at PP=3"),
     "AfmoeForCausalLM": ({"score_func": "softmax", "route_norm": True, "n_group": 1, "topk_group": 1},
                          "vLLM reads the router's remote-code fields (score_func, route_norm, groups)"),
     "Glm4MoeLiteForCausalLM": ({"first_k_dense_replace": 1}, "vLLM reads config.first_k_dense_replace"),

@@ -443,6 +443,8 @@ def coverage_markdown(results: Sequence[ZooResult], verdicts: Sequence[dict[str,
     """docs/coverage-vllm.md: how it was made, counts, the inherited-flag verdicts, one row per decoder."""
     counts = {s: sum(r.status == s for r in results) for s in STATUSES}
     by_codemod = {s: sum(r.codemod == s for r in results) for s in ("adapted", "unchanged", "declined")}
+    pp2_passed = sum(r.max_abs_err_pp2 is not None for r in results)
+    pp3_passed = sum(r.max_abs_err_pp3 is not None for r in results)
     out = [
         "# vLLM zoo coverage",
         "",
@@ -454,8 +456,14 @@ def coverage_markdown(results: Sequence[ZooResult], verdicts: Sequence[dict[str,
         "`set_current_vllm_config`, `initialize_model`, seeded weights by parameter name) and checked in vLLM's "
         "own process groups (`init_distributed_environment` + `initialize_model_parallel`, gloo on 127.0.0.1): "
         f"PP=1 aux states equal the unadapted model's residual stream (max abs error <= {ATOL:g}); PP=2 (two "
-        "processes, `get_pp_group()`) rank 0 sends exactly the aux keys `pipespec.contract.layout.plan_layout` plans for "
-        "stage 0 and rank 1, fed rank 0's tensors, returns aux states equal to the PP=1 reference. Attention "
+        "processes, vLLM's default partition) and PP=3 (three processes, an uneven partition with a relaying "
+        "middle rank and an aux id on both stage boundaries; `pipespec.integrations.vllm.pp_ranks`): every rank "
+        "is driven as vLLM's V2 model runner drives it (aux ids and receive slots set by vLLM's "
+        "`set_eagle3_aux_hidden_state_layers` / `reserve_aux_intermediate_tensor_slots`, "
+        "`verify_supports_aux_hidden_states_over_pp`, relay keys from `aux_hidden_state_relay_keys`, the relay "
+        "merged by `PPHandler.relay_aux_hidden_states`, tensors passed with `get_pp_group().send_tensor_dict`), "
+        "receives, packs and sends exactly the aux keys `pipespec.contract.layout.plan_layout` plans for its "
+        "stage, and the last rank's aux states equal the PP=1 reference. Attention "
         "is not exercised: without the model runner's metadata vLLM's attention layers return an unwritten "
         "buffer, so the harness zeroes every attention layer's output in both models; Mamba-1/Mamba-2 "
         "mixers are not run at all (their no-metadata paths cannot run on the CPU build) and output zeros "
@@ -479,6 +487,9 @@ def coverage_markdown(results: Sequence[ZooResult], verdicts: Sequence[dict[str,
         "",
         "Codemod outcome: " + ", ".join(f"{by_codemod[k]} {k}" for k in by_codemod) + ".",
         "",
+        f"PP=3: {pp3_passed} of the {pp2_passed} decoders that pass PP=1 and PP=2 pass PP=3 too (`verified` and "
+        "`supported` mean all three pass).",
+        "",
         "## Inherited-flag classes (`pipespec.integrations.vllm.support.judge_vllm_class`, PP = 2)",
         "",
         "| class | module | supported | judged from | verdict |",
@@ -488,12 +499,13 @@ def coverage_markdown(results: Sequence[ZooResult], verdicts: Sequence[dict[str,
         "",
         "## Per decoder",
         "",
-        "| file | decoder | status | architecture | ids | err PP=1 | err PP=2 | reason |",
-        "|---|---|---|---|---|---|---|---|",
+        "| file | decoder | status | architecture | ids | err PP=1 | err PP=2 | PP=3 partition: ids | err PP=3 | reason |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        e1 = "" if r.max_abs_err_pp1 is None else f"{r.max_abs_err_pp1:.2g}"
-        e2 = "" if r.max_abs_err_pp2 is None else f"{r.max_abs_err_pp2:.2g}"
+        e1, e2, e3 = ("" if e is None else f"{e:.2g}" for e in (r.max_abs_err_pp1, r.max_abs_err_pp2, r.max_abs_err_pp3))
         ids = ",".join(map(str, r.aux_layers))
-        out.append(f"| {r.file} | {r.class_name} | {r.status} | {r.architecture} | {ids} | {e1} | {e2} | {_cell(r.reason)} |")
+        pp3 = f"{','.join(map(str, r.partition_pp3))}: {','.join(map(str, r.aux_layers_pp3))}" if r.partition_pp3 else ""
+        out.append(f"| {r.file} | {r.class_name} | {r.status} | {r.architecture} | {ids} | {e1} | {e2} | {pp3} | {e3} "
+                   f"| {_cell(r.reason)} |")
     return "\n".join(out) + "\n"

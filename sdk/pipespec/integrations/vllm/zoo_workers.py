@@ -21,6 +21,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -214,4 +215,5 @@ def serve(conn: Any, world_size: int, rank: int, init_method: str, log_path: str
         except harness.AuxCheckError as exc:
             conn.send(("mismatch", str(exc)))
         except Exception as exc:  # noqa: BLE001 - every failure of one model is that model's reason
+            traceback.print_exc()  # into the log: the answer is one line
             conn.send(("error", one_line(exc, limit=400)))
