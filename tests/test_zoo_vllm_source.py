@@ -19,7 +19,7 @@ import pytest
 
 from pipespec.cli.report_sections import markers, replace_section
 from pipespec.cli.zoo import VLLM_SECTION, finish
-from pipespec.codegen.vllm_source_zoo import Status, run_source_zoo
+from pipespec.codegen.vllm_source_zoo import Status, output_problems, run_source_zoo
 from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
 from pipespec.codemods.vllm_native_index import default_reader
 from pipespec.errors import UsageError
@@ -94,6 +94,26 @@ def test_adapted_rows_cross_checked(zoo, name: str) -> None:
     assert again.code == out and {d.class_name: d.status for d in again.decoders}[row.class_name] == "unchanged"
 
 
+def test_the_output_checks_catch_a_broken_output() -> None:
+    """The zoo's checks on a real adapted output (gemma2, vLLM 0.34) pass, and each fails on an output
+    broken in its way: a syntax error, an import of pipespec, a lost flag (the codemod would adapt it again)."""
+    path = source_tree("0.34.0") / "model_executor" / "models" / "gemma2.py"
+    label, read = "vllm/model_executor/models/gemma2.py", default_reader(str(path))
+    adaptation = adapt_vllm_module(path.read_text(encoding="utf-8"), label=label, read_module=read)
+    out, outcomes = adaptation.code, adaptation.decoders
+    assert output_problems(out, outcomes, label, read) == {}
+    flag = "    supports_aux_hidden_states_over_pp = True\n"
+    assert out.count(flag) == 1
+    broken = {
+        "does not compile": out.replace(flag, "    supports_aux_hidden_states_over_pp = (\n", 1),
+        "imports pipespec.contract": out.replace("import torch\n", "import torch\nfrom pipespec.contract import spec\n", 1),
+        "not idempotent": out.replace(flag, "", 1),
+    }
+    for needle, code in broken.items():
+        assert code != out
+        assert needle in output_problems(code, outcomes, label, read)["Gemma2Model"]
+
+
 # ----------------------------------------------------------------------------- the real CLI
 def _cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*PIPESPEC, "zoo", *args], capture_output=True, text=True, timeout=600, cwd=cwd,
@@ -138,6 +158,23 @@ def test_unknown_version_and_no_network_are_one_line(tmp_path: Path) -> None:
     _one_line_exit_2(_cli("--engine", "vllm", "--source", "0.34.0", env=offline), "vllm==0.34.0", "no network")
     _one_line_exit_2(_cli("--engine", "vllm", "--source", "0.0.1", env={"PIPESPEC_VLLM_SOURCES": str(cache)}), "vllm==0.0.1")
     assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_a_crashed_row_is_one_line_exit_1_and_the_run_goes_on(tmp_path: Path) -> None:
+    """A tree with a model file that is not valid Python beside a good one: that row is crashed with one
+    line, the other is still judged, exit 1, and the release's section is written."""
+    models = tmp_path / "vllm" / "model_executor" / "models"
+    models.mkdir(parents=True)
+    llama = source_tree("0.34.0") / "model_executor" / "models" / "llama.py"
+    (models / "llama.py").write_bytes(llama.read_bytes())
+    (models / "broken.py").write_text("class BrokenModel:\n    def forward(self, intermediate_tensors:\n", encoding="utf-8")
+    proc = _cli("--engine", "vllm", "--source", str(tmp_path), "--json")
+    assert proc.returncode == 1, proc.stderr
+    rows = {r["file"]: r for r in json.loads(proc.stdout)}
+    assert rows["model_executor/models/llama.py"]["status"] == "unchanged"
+    crashed = rows["model_executor/models/broken.py"]
+    assert crashed["status"] == "crashed" and "not valid Python" in crashed["reason"] and "\n" not in crashed["reason"]
+    assert "Traceback" not in proc.stderr
 
 
 def test_broken_section_markers_are_one_line_before_the_run(tmp_path: Path) -> None:

@@ -186,7 +186,7 @@ def survey_file(path: Path, tree: Path) -> list[SourceRow]:
         names = [c.name for c in handoff] or [""]
         return [SourceRow(rel, n, Status.CRASHED, f"the codemod raised {_one_line(exc)}", "crashed",
                           line=classes[n].lineno if n in classes else 0) for n in names]
-    problems = _output_problems(adapted_code, outcomes, label, reader) if adapted_code != code else {}
+    problems = output_problems(adapted_code, outcomes, label, reader) if adapted_code != code else {}
     rows = []
     for outcome in outcomes:
         cls = classes.get(outcome.class_name)
@@ -240,7 +240,7 @@ def _verdict(path: Path, tree: Path, name: str) -> tuple[bool, str] | str:
 
 
 # ------------------------------------------------------------------------------- output checks
-def _output_problems(code: str, outcomes: Sequence[DecoderOutcome], label: str, reader: Any) -> dict[str, str]:
+def output_problems(code: str, outcomes: Sequence[DecoderOutcome], label: str, reader: Any) -> dict[str, str]:
     """For each adapted decoder, the first check its file's output fails (absent when it passes them all)."""
     adapted = [o for o in outcomes if o.status == "adapted"]
     try:
@@ -367,5 +367,5 @@ def run_source_zoo(tree_or_version: str | Path, files: Sequence[str] | None = No
     return SourceZoo(tree, release_of(tree), rows, len(paths), time.perf_counter() - started, jobs)
 
 
-__all__ = ["READY", "SourceRow", "SourceZoo", "Status", "handoff_classes", "model_files", "release_of",
+__all__ = ["READY", "SourceRow", "SourceZoo", "Status", "handoff_classes", "model_files", "output_problems", "release_of",
            "run_source_zoo", "select_files", "survey_file"]
