@@ -7,7 +7,7 @@ P in-process stages (default P = 1, 2, 3; uneven partitions), compare with the u
 Exit status 1 when any type ``failed``: an adaptation that ran but disagreed is a bug.
 
 ``--engine vllm`` checks vLLM-native adaptation instead: every PP decoder of the installed vLLM, adapted
-by ``adapt_vllm_module`` and checked inside vLLM at PP=1 and PP=2 (``pipespec.integrations.vllm.zoo``).
+by ``adapt_vllm_module`` and checked inside vLLM at PP=1, 2 and 3 (``pipespec.integrations.vllm.zoo``).
 ``--engine vllm --source TREE_OR_VERSION`` runs the codemod and the support verdicts over any vLLM tree's
 source without importing vLLM (``pipespec.codegen.vllm_source_zoo``, ``zoo_vllm_source``).
 

@@ -399,7 +399,9 @@ def _inputs(built: Built) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, positions
 
 
-def _forward(built: Built, intermediate: Any | None = None) -> Any:
+def _forward(built: Built, intermediate: Any | None = None, with_input_ids: bool = True) -> Any:
+    """One forward on the zoo input; ``with_input_ids=False`` passes ``input_ids=None``, as vLLM's V2 runner
+    does on every rank but the first."""
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
@@ -407,7 +409,8 @@ def _forward(built: Built, intermediate: Any | None = None) -> Any:
     with torch.no_grad(), set_current_vllm_config(built.vllm_config), set_forward_context(
         None, built.vllm_config, num_tokens=NUM_TOKENS
     ):
-        return built.model(input_ids=input_ids, positions=positions, intermediate_tensors=intermediate)
+        return built.model(input_ids=input_ids if with_input_ids else None, positions=positions,
+                           intermediate_tensors=intermediate)
 
 
 def check_pp1(job: Job) -> dict[str, Any]:

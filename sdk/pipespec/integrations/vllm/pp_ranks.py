@@ -14,8 +14,9 @@ in vLLM's own process groups over gloo):
    into the buffers of ``model.make_empty_intermediate_tensors`` key by key (mirrored from
    ``GPUModelRunner``'s input preparation: a key the buffers hold that was not sent is an error, and so is
    a sent key the buffers do not hold, which the runner would drop);
-4. forward; a non-last rank merges the relay with ``PPHandler.relay_aux_hidden_states`` (called) and
-   sends with ``get_pp_group().send_tensor_dict`` (the worker's send); the last rank returns its aux states.
+4. forward (``input_ids`` on the first rank only, as the runner passes them); a non-last rank merges the
+   relay with ``PPHandler.relay_aux_hidden_states`` (called) and sends with
+   ``get_pp_group().send_tensor_dict`` (the worker's send); the last rank returns its aux states.
 
 Every rank receives exactly once from upstream and sends exactly once downstream, a failure included (a
 failed rank drains its input and sends ``FAILED`` on), so one rank's error never leaves another blocked.
@@ -216,7 +217,7 @@ def run_rank(job: Job, ids: tuple[int, ...], partition: tuple[int, ...] | None) 
                     raise UpstreamFailed(str(got[FAILED]))
                 intermediate, held = _into_buffers(built.model, got, rank)
                 answer["receives"] = [k for k in held if k.startswith(AUX_KEY_PREFIX)]
-            out = _forward(built, intermediate)
+            out = _forward(built, intermediate, with_input_ids=pp.is_first_rank)
             if pp.is_last_rank:
                 answer["aux"] = [t.numpy() for t in aux_of(out, f"{job.causal_lm} on the last PP rank")]
                 return answer
