@@ -134,6 +134,29 @@ def _boundaries(n: int, pp: int) -> set[int]:
     return {sum(counts[: i + 1]) for i in range(pp - 1)}
 
 
+@pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
+def test_the_backend_code_compat_mirrors_is_unchanged_in_later_releases(version: str) -> None:
+    """compat's backend_model_call mirrors 0.32's Base.forward, and the subclass replaces Base's
+    set_aux_hidden_state_layers and reads _layer_names as Base fills them: the same source in 0.33 and 0.34."""
+    import ast
+    import inspect
+
+    from vllm.model_executor.models.transformers import base
+
+    from pipespec.integrations.vllm.sources import source_tree
+
+    def members(source: str) -> dict[str, str]:
+        cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Base")
+        return {n.name: ast.dump(n) for n in cls.body if isinstance(n, ast.FunctionDef)}
+
+    installed = inspect.getsource(base)
+    released = (source_tree(version) / "model_executor" / "models" / "transformers" / "base.py").read_text()
+    for name in ("forward", "set_aux_hidden_state_layers"):
+        assert members(released)[name] == members(installed)[name], name
+    filled = "self._layer_names[int(child_name)] = layer_name"
+    assert filled in installed and filled in released
+
+
 # ------------------------------------------------------------------------------------------- verify
 @pytest.fixture
 def cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]):

@@ -32,8 +32,10 @@ what ``adapt_at_load.decide`` asks for a class of the backend. The multimodal cl
 PP = 1 and refused over PP (their decoder is a sub-model whose own capture registry transformers
 dispatches separately); pooling classes are not causal LMs.
 
+What depends on the vLLM release (``Base.forward``'s input handling, mirrored; the private ``_layer_names``
+map; both the same in 0.32-0.34) is read through ``compat`` (``backend_model_call``, ``backend_layer_names``).
 Imports vLLM's Transformers backend lazily (first use of a ``Pipespec*`` class); importing this module
-imports torch and pipespec's layout only.
+imports torch, pipespec's layout and ``compat`` only.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from torch import nn
 
 from pipespec.contract.layout import AUX_KEY_PREFIX, StagePlan, plan_layout
 from pipespec.errors import UsageError
+from pipespec.integrations.vllm import compat
 
 __all__ = ["BACKEND_PACKAGE", "SPEC_LABEL", "BackendVerdict", "TransformersAuxOverPP", "adapted_class",
            "backend_verdict", "is_backend_class", "resolve_backend_class"]
@@ -81,6 +84,7 @@ class TransformersAuxOverPP:
         self._pipespec_stage: StagePlan | None = None
         self._pipespec_record_order: tuple[int, ...] = ()
         self._pipespec_record_kwargs: dict[str, bool] = {}
+        self._pipespec_release = compat.current()  # the installed vLLM's rules (Base's private parts)
         # What vLLM's runner reads on the decoder (``_inner_decoder(model)`` is ``model.model`` here).
         decoder = self.model  # type: ignore[attr-defined]
         decoder.supports_aux_hidden_states_over_pp = True
@@ -123,7 +127,7 @@ class TransformersAuxOverPP:
         """The ``OutputRecorder`` of id ``aux_id``: layer ``aux_id - 1``'s output, or for id 0 the input tap."""
         from transformers.utils.output_capturing import OutputRecorder
 
-        names: dict[int, str] = self._layer_names  # type: ignore[attr-defined]
+        names = self._pipespec_release.backend_layer_names(self)
         if aux_id == 0:
             layer_name = names[stage.start_layer]
             layer = decoder.get_submodule(layer_name)
@@ -163,8 +167,8 @@ class TransformersAuxOverPP:
         from vllm.sequence import IntermediateTensors
 
         remote = self.collect_remote_aux_hidden_states(intermediate_tensors)
-        outputs = _backend_model_call(self, input_ids, positions, intermediate_tensors, inputs_embeds,
-                                      {**self._pipespec_record_kwargs, **kwargs})
+        outputs = self._pipespec_release.backend_model_call(self, input_ids, positions, intermediate_tensors,
+                                                            inputs_embeds, {**self._pipespec_record_kwargs, **kwargs})
         hidden_states = outputs[0][0, ...]
         local = self._recorded(outputs)
         if not stage.is_last:
@@ -208,32 +212,6 @@ def _install_recorders(decoder: nn.Module, recorders: dict[str, Any]) -> None:
         )
     flags.update(recorders)
     maybe_install_capturing_hooks(decoder)
-
-
-def _backend_model_call(model: Any, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                        intermediate_tensors: Any, inputs_embeds: torch.Tensor | None,
-                        kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The wrapped transformers model's raw outputs, called as vLLM's ``Base.forward`` calls it.
-
-    Mirrors ``Base.forward`` up to that call (the same in vLLM 0.32, 0.33 and 0.34): a non-first rank runs
-    on the received ``hidden_states`` as ``inputs_embeds``; a batch dimension is added; ``input_ids`` and
-    ``inputs_embeds`` are never both given.
-    """
-    if not model.pp_group.is_first_rank:
-        assert intermediate_tensors is not None
-        input_ids = None
-        inputs_embeds = intermediate_tensors["hidden_states"]
-    if input_ids is not None and input_ids.ndim == 1:
-        input_ids = input_ids[None, ...]
-    if inputs_embeds is not None and inputs_embeds.ndim == 2:
-        inputs_embeds = inputs_embeds[None, ...]
-    if positions.ndim == 1:
-        positions = positions[None, ...]
-    if input_ids is not None and inputs_embeds is not None:
-        input_ids = None
-    outputs = model.model(input_ids=input_ids, inputs_embeds=inputs_embeds, use_cache=False, position_ids=positions,
-                          return_dict=False, **kwargs)
-    return tuple(outputs)
 
 
 # ------------------------------------------------------------------------------------- classes

@@ -110,6 +110,33 @@ class Vllm032:
 
         return custom_op.op_registry
 
+    # ---------------------------------------------- the Transformers modeling backend (transformers_backend)
+    def backend_layer_names(self, model: Any) -> dict[int, str]:
+        """Layer index -> the layer's module name under the wrapped transformers model, as ``Base`` maps them
+        (its private ``_layer_names``, which its own EAGLE3 path reads too)."""
+        return model._layer_names  # type: ignore[no-any-return]
+
+    def backend_model_call(self, model: Any, input_ids: Any, positions: Any, intermediate_tensors: Any,
+                           inputs_embeds: Any, kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The wrapped transformers model's raw outputs, called as ``Base.forward`` calls it (mirrored: a non-first
+        rank runs on the received ``hidden_states`` as ``inputs_embeds``; a batch dimension added; never both
+        ``input_ids`` and ``inputs_embeds``), so a subclass can read what its recorders captured."""
+        if not model.pp_group.is_first_rank:
+            assert intermediate_tensors is not None
+            input_ids = None
+            inputs_embeds = intermediate_tensors["hidden_states"]
+        if input_ids is not None and input_ids.ndim == 1:
+            input_ids = input_ids[None, ...]
+        if inputs_embeds is not None and inputs_embeds.ndim == 2:
+            inputs_embeds = inputs_embeds[None, ...]
+        if positions.ndim == 1:
+            positions = positions[None, ...]
+        if input_ids is not None and inputs_embeds is not None:
+            input_ids = None
+        outputs = model.model(input_ids=input_ids, inputs_embeds=inputs_embeds, use_cache=False,
+                              position_ids=positions, return_dict=False, **kwargs)
+        return tuple(outputs)
+
     @contextmanager
     def custom_op_registration(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
         """``vllm.utils.torch_utils.direct_register_custom_op`` replaced by ``wrap(original)`` while inside."""
