@@ -30,10 +30,8 @@ from dataclasses import dataclass
 from dataclasses import replace as replace_plan
 
 import libcst as cst
-import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from pipespec.codemods.vllm_forward_shape import names_in
 from pipespec.codemods.vllm_native_branches import Branches, forward_plans, with_plans
 from pipespec.codemods.vllm_native_decoder import adapt_decoder
 from pipespec.codemods.vllm_native_helpers import Helpers
@@ -52,18 +50,15 @@ from pipespec.codemods.vllm_native_names import (
     module_names,
     nn_module_type,
 )
+from pipespec.codemods.vllm_native_residual import RESIDUAL_RULES
 from pipespec.codemods.vllm_native_shape import (
-    FLAG,
     ClassLookup,
     Decline,
     ForwardPlan,
-    code_of,
     is_pp_decoder,
-    methods,
-    own_flag,
     residual_read,
 )
-from pipespec.codemods.vllm_native_residual import RESIDUAL_RULES
+from pipespec.codemods.vllm_native_support import judge
 from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import UsageError
 
@@ -171,7 +166,7 @@ class _FileEdit:
         causal = tuple(h.cls.name.value for h in held)
         attr = held[0].attr if held else None
         try:
-            status, reason = _judge(dec)
+            status, reason = judge(dec, self.lookup)
             if status == "adapted":
                 self._adapt(dec, held)
         except Decline as exc:
@@ -187,7 +182,7 @@ class _FileEdit:
         return self._residual_rule(dec, found)
 
     def _residual_rule(self, dec: cst.ClassDef, plan: ForwardPlan) -> ForwardPlan:
-        if plan.residual is not None and not plan.own_capture and plan.before_capture is None:
+        if plan.residual is not None and not plan.own_capture and plan.before_capture is None and plan.residual_arg is None:
             reads = residual_read(dec, plan, self.lookup, {c.name.value for c in self.top}, self.rule)
             if isinstance(reads, tuple):
                 plan = replace_plan(plan, stale_for=reads)
@@ -243,26 +238,6 @@ def _select(decoders: list[cst.ClassDef], holders: dict[str, list[Holder]], clas
                              f"({pp}) or the class holding it to --class")
         chosen += [d for d in picked if all(d is not c for c in chosen)]
     return chosen
-
-
-def _judge(dec: cst.ClassDef) -> tuple[str, str]:
-    """``unchanged`` when the class already follows the contract itself; ``Decline`` for an explicit opt-out."""
-    flag = own_flag(dec)
-    forward = methods(dec)["forward"]
-    calls = names_in(forward)
-    if flag is not None:
-        small = flag.body[0]
-        value = small.value if isinstance(small, (cst.Assign, cst.AnnAssign)) else None
-        if m.matches(value, m.Name("False")):
-            parent = ", ".join(code_of(b) for b in bases_of(dec)) or "object"
-            captures = "captures aux states" if "_maybe_add_hidden_state" in calls else "captures no aux states"
-            raise Decline(f"{dec.name.value} opts out by hand: `{code_of(flag)}`, over a forward that {captures} "
-                          f"(it overrides {parent}.forward); remove that line to have it adapted", flag)
-        if (m.matches(value, m.Name("True")) and {"collect_remote_aux_hidden_states", "pack_local_aux_hidden_states"} <= calls):
-            return "unchanged", (f"already follows vLLM's contract: it sets {FLAG} = True itself and its forward "
-                                 "collects and packs aux states")
-    return "adapted", ""
-
 
 
 __all__ = ["DecoderOutcome", "VllmAdaptation", "adapt_vllm_module", "GENERATOR", "GENERATOR_VERSION"]

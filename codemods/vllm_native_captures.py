@@ -199,3 +199,42 @@ def own_value_captures(loop: cst.For, parsed: Loop, aux: set[str], removed: set[
     return out
 
 
+
+
+def own_start_capture(body: Sequence[cst.BaseStatement], loop: cst.For, aux: set[str]) -> cst.If | None:
+    """The model's own capture of id ``start_layer`` before the loop: ``if self.start_layer in
+    self.aux_hidden_state_layers:`` (no ``else``) whose last statement captures into the aux list with id
+    ``self.start_layer`` (Cohere2-MoE clones the embedding first: a fused RMSNorm later updates it in
+    place). Kept, on the first rank only."""
+    layers = m.Attribute(value=m.Name("self"), attr=m.Name("aux_hidden_state_layers"))
+    test = m.Comparison(left=self_attr("start_layer"), comparisons=[m.ComparisonTarget(m.In(), layers)])
+    at = next(i for i, s in enumerate(body) if s is loop)
+    found = [s for s in body[:at] if isinstance(s, cst.If) and s.orelse is None and m.matches(s.test, test)]
+    if len(found) != 1:
+        return None
+    block = cst.ensure_type(found[0].body, cst.IndentedBlock).body
+    capture = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("_maybe_add_hidden_state")),
+                     args=[m.Arg(m.OneOf(*(m.Name(n) for n in aux))), m.Arg(self_attr("start_layer")), m.ZeroOrMore()])
+    if not block or not m.findall(block[-1], capture) or any(m.findall(s, capture) for s in block[:-1]):
+        return None
+    return found[0]
+
+
+def conditional_residual(captures: Sequence[cst.CSTNode], residual: str) -> str | None:
+    """The residual argument of the model's own capture after a layer where it is ``residual if c else
+    None`` (or ``None if c else residual``): the model picks, by config, whether the residual is in the
+    stream (Cohere2-MoE: fused RMSNorm layers read it, LayerNorm ones rebind it)."""
+    args: set[str] = set()
+    for node in captures:
+        for call in m.findall(node, m.Call(func=m.Attribute(attr=m.Name("_maybe_add_hidden_state")))):
+            call_args = cst.ensure_type(call, cst.Call).args
+            if len(call_args) == 4 and not m.matches(call_args[1].value, self_attr("start_layer")):
+                args.add(code_of(call_args[3].value) if isinstance(call_args[3].value, cst.IfExp) else "")
+    if len(args) != 1:
+        return None
+    (arg,) = args
+    expr = cst.parse_expression(arg) if arg else None
+    if not isinstance(expr, cst.IfExp):
+        return None
+    pair = {code_of(expr.body), code_of(expr.orelse)}
+    return arg if pair == {residual, "None"} and residual not in names_in(expr.test) else None

@@ -9,7 +9,6 @@ import json
 import libcst as cst
 import libcst.matchers as m
 
-from pipespec import __version__
 from pipespec.codemods.vllm_forward_shape import is_docstring, names_in, self_attr
 from pipespec.codemods.vllm_native_branches import Branches
 from pipespec.codemods.vllm_native_forward import RewriteForward
@@ -67,7 +66,7 @@ def adapt_decoder(dec: cst.ClassDef, plan: ForwardPlan | Branches | Helpers, spe
     if alias is not None:
         at = next(i for i, s in enumerate(body) if s is new_forward)
         body.insert(at, alias.with_changes(leading_lines=[cst.EmptyLine(indent=False)]))
-    marker = json.dumps(f"{GENERATOR} v{GENERATOR_VERSION} (pipespec {__version__}) from {label.split(' ')[0]}")
+    marker = json.dumps(f"{GENERATOR} v{GENERATOR_VERSION} from {label.split(' ')[0]}")
     lines = [cst.parse_statement(f"{FLAG} = True\n"), cst.parse_statement(f"{MARKER_ATTR} = {marker}\n")]
     at = 1 if body and is_docstring(body[0]) else 0
     if at:

@@ -55,6 +55,8 @@ class RewriteForward(cst.CSTTransformer):
 
     def _residual_after_layer(self, plan: ForwardPlan) -> str:
         """The residual argument of the capture after a layer: per layer class where they disagree."""
+        if plan.residual_arg is not None:  # the model's own, by config
+            return plan.residual_arg
         if plan.stale_for is None or plan.residual is None:
             return self._residual(plan)
         layer, stale = plan.stale_for
@@ -103,7 +105,8 @@ class RewriteForward(cst.CSTTransformer):
         for new in updated_node.body:
             if m.matches(new, removed):
                 comments = [line for line in new.leading_lines if line.comment is not None]
-                about_aux = any("aux" in line.comment.value.lower() for line in comments if line.comment)
+                about_aux = any(word in line.comment.value.lower() for line in comments if line.comment
+                                for word in ("aux", "eagle"))  # e.g. "EAGLE3 is not yet compatible with pipeline parallel"
                 # a comment about the old capture goes with it, unless the model's own capture stays
                 drop = about_aux and not self.own_kept
                 carry += [line for line in new.leading_lines if line.comment is None or not drop]
@@ -158,6 +161,8 @@ class RewriteForward(cst.CSTTransformer):
                                          body=body.with_changes(body=[*body.body, capture]))
         if self.branches is not None:  # the shared prelude is before the branches
             return loop
+        if p.start_capture is not None:  # the prelude goes before the model's own id start_layer capture
+            return loop
         prelude = self._prelude(original_node, self._residual(p, p.residual_bound_before_loop), True)
         return cst.FlattenSentinel([*prelude, loop.with_changes(leading_lines=())])
 
@@ -180,6 +185,15 @@ class RewriteForward(cst.CSTTransformer):
             prelude = self._prelude(original_node, b.prelude_residual(), b.start_capture)
             return cst.FlattenSentinel([*prelude, updated_node.with_changes(
                 leading_lines=updated_node.leading_lines or [cst.EmptyLine(indent=False)])])
+        if self.plan is not None and original_node is self.plan.gather:  # each captured state gathered too
+            return cst.FlattenSentinel([updated_node, self._gather_captures(updated_node)])
+        if self.plan is not None and original_node is self.plan.start_capture:
+            test = f"get_pp_group().is_first_rank and {code_of(updated_node.test)}"  # id start_layer: the first rank's
+            if 4 + 4 * self.blocks + len(f"if {test}:") > LINE:  # vLLM's multi-line form
+                test = f"(\n    get_pp_group().is_first_rank\n    and {code_of(updated_node.test)}\n)"
+            header = cst.ensure_type(cst.parse_statement(f"if {test}:\n    pass\n"), cst.If)
+            guarded = updated_node.with_changes(test=header.test, whitespace_before_test=header.whitespace_before_test)
+            return cst.FlattenSentinel([*self._prelude(original_node, "None", False), guarded])
         if self.plan is None or original_node is not self.plan.before_capture:
             return updated_node
         idx = self.plan.loop.next_id.left.value  # type: ignore[attr-defined]
@@ -188,6 +202,19 @@ class RewriteForward(cst.CSTTransformer):
             "    pass\n"), cst.If)
         safe = _none_safe(updated_node, self.plan.hidden, self.plan.residual)
         return safe.with_changes(test=header.test, whitespace_before_test=header.whitespace_before_test)
+
+    def _gather_captures(self, gather: cst.If) -> cst.If:
+        """``if <test>: aux = [<the gather's value, of a instead of hidden> for a in aux]``."""
+        assign = cst.ensure_type(cst.ensure_type(cst.ensure_type(gather.body, cst.IndentedBlock).body[0],
+                                                 cst.SimpleStatementLine).body[0], cst.Assign)
+        item = "state" if "state" not in names_in(assign.value) else "aux_state"
+        value = cst.ensure_type(assign.value.visit(_Rename(self.hidden, item)), cst.BaseExpression)
+        text = f"{self.aux} = [{code_of_exact(value)} for {item} in {self.aux}]"
+        indent = 4 + 4 * (self.blocks + 1)
+        if indent + len(text) > LINE:  # vLLM's multi-line form
+            text = f"{self.aux} = [\n    {code_of_exact(value)}\n    for {item} in {self.aux}\n]"
+        return cst.ensure_type(cst.parse_statement(f"if {code_of_exact(gather.test)}:\n" + "".join(
+            f"    {line}\n" for line in text.splitlines())), cst.If)
 
     def leave_Return(self, original_node: cst.Return, updated_node: cst.Return) -> cst.Return:
         if id(original_node) not in self.nonlast:
@@ -236,6 +263,16 @@ class RewriteForward(cst.CSTTransformer):
             cst.parse_statement(f"return {value}\n"),
         ]
         return cst.FlattenSentinel(lines)
+
+
+class _Rename(cst.CSTTransformer):
+    """Every ``Name(old)`` made ``Name(new)``."""
+
+    def __init__(self, old: str, new: str) -> None:
+        self.old, self.new = old, new
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.Name:
+        return updated_node.with_changes(value=self.new) if updated_node.value == self.old else updated_node
 
 
 def _none_safe(node: cst.If, hidden: str, residual: str | None) -> cst.If:

@@ -113,8 +113,9 @@ def helper_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Hel
     returns = own_scope(fn).returns
     early = [r for r in returns if line_of(r) < line_of(assign)]
     if early:
-        raise Decline(f"forward returns before it assembles `{aux}` (`{code_of(early[0])}`): that path would hand on "
-                      "no aux states", early[0])
+        raise Decline(f"forward returns before it assembles `{aux}` (`{code_of(early[0])}`): that path does not run "
+                      "the helpers that run this stage's layers, so it would neither take the upstream ranks' aux "
+                      "states nor pack this rank's for the next", early[0])
     nonlast = tuple(r for r in returns if m.matches(r.value, INTERMEDIATE))
     last = tuple(r for r in returns if not m.matches(r.value, INTERMEDIATE) and r is not ret)
     if not nonlast or not last or any(isinstance(r.value, cst.Tuple) for r in last):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from pipespec import __version__
 from pipespec.codemods.import_edits import add_first_party_import
 from pipespec.codemods.vllm_native_names import (
     GENERATOR,
@@ -105,7 +104,7 @@ def stamp(module: cst.Module, label: str, classes: list[str]) -> cst.Module:
     header = list(module.header)
     if any(line.comment is not None and line.comment.value.startswith(HEADER_FIRST) for line in header):
         return module
-    text = [f"{HEADER_FIRST} {__version__} ({GENERATOR} v{GENERATOR_VERSION}) from {label}.",
+    text = [f"{HEADER_FIRST} ({GENERATOR} v{GENERATOR_VERSION}) from {label}.",
             "# Adapted to vLLM's EAGLE3-over-PP contract (EagleModelMixin, SupportsEagle3):",
             f"# {', '.join(dict.fromkeys(classes))}.",
             "# Do not edit those classes by hand; regenerate them with",

@@ -66,8 +66,43 @@ def own_flag(cls: cst.ClassDef) -> cst.SimpleStatementLine | None:
     return None
 
 
+def stage_aliases(fn: cst.FunctionDef) -> dict[str, cst.BaseExpression]:
+    """Local names forward binds, once, to this stage's layers (MiniMax-M3 AMD: ``layers =
+    self.layers[self.start_layer : self.end_layer]`` before loops inside ``if``/``try``)."""
+    binds: dict[str, list[cst.BaseExpression | None]] = {}
+    for node in m.findall(fn.body, m.Assign() | m.AnnAssign() | m.AugAssign()):
+        targets = ([t.target for t in node.targets] if isinstance(node, cst.Assign)  # type: ignore[attr-defined]
+                   else [node.target])  # type: ignore[attr-defined]
+        value = node.value if isinstance(node, (cst.Assign, cst.AnnAssign)) else None  # type: ignore[attr-defined]
+        for target in targets:
+            for name in m.findall(target, m.Name()):
+                binds.setdefault(cst.ensure_type(name, cst.Name).value, []).append(
+                    value if isinstance(target, cst.Name) else None)
+    return {name: values[0] for name, values in binds.items()
+            if len(values) == 1 and values[0] is not None and m.matches(values[0], STAGE_LAYERS)}
+
+
+def _alias_iter(it: cst.BaseExpression, aliases: dict[str, cst.BaseExpression]) -> bool:
+    """``layers`` / ``enumerate(layers, ...)`` with ``layers`` one of ``aliases``."""
+    inner = it.args[0].value if m.matches(it, m.Call(func=m.Name("enumerate"), args=[m.Arg(keyword=None), m.ZeroOrMore()])) else it  # type: ignore[attr-defined]
+    return isinstance(inner, cst.Name) and inner.value in aliases
+
+
+def conditional_iter(it: cst.BaseExpression) -> cst.IfExp | None:
+    """``<this stage's layers> if c else <other>`` (or the reverse), alone or enumerated: the loop runs the
+    stage's layers on one branch only (MuseSpark AMD runs them through ``mono`` on the other)."""
+    inner = it.args[0].value if m.matches(it, m.Call(func=m.Name("enumerate"), args=[m.Arg(keyword=None), m.ZeroOrMore()])) else it  # type: ignore[attr-defined]
+    if isinstance(inner, cst.IfExp) and (m.matches(inner.body, STAGE_LAYERS) or m.matches(inner.orelse, STAGE_LAYERS)):
+        return inner
+    return None
+
+
 def stage_loops(fn: cst.FunctionDef) -> list[cst.For]:
-    return [loop for loop in own_scope(fn).loops if m.matches(loop.iter, STAGE_LOOP_ITER)]
+    """forward's own loops over this stage's layers: the forms of ``STAGE_LOOP_ITER``, a local name for
+    them (``stage_aliases``), or a conditional expression with them on one branch (``conditional_iter``)."""
+    aliases = stage_aliases(fn)
+    return [loop for loop in own_scope(fn).loops
+            if m.matches(loop.iter, STAGE_LOOP_ITER) or _alias_iter(loop.iter, aliases) or conditional_iter(loop.iter)]
 
 
 def is_pp_decoder(cls: cst.ClassDef) -> bool:
@@ -107,11 +142,31 @@ class ForwardPlan:
     #: (layer variable, classes that rebind it): the layer classes disagree (picked by config: Molmo's
     #: norm_after), so each capture after a layer asks which class just ran
     stale_for: tuple[str, tuple[str, ...]] | None = None
+    #: the model's own capture of id ``start_layer`` before the loop (``if self.start_layer in
+    #: self.aux_hidden_state_layers: ...``, Cohere2-MoE's clone of the embedding), kept on the first rank
+    start_capture: cst.If | None = None
+    #: the residual argument of the model's own capture after each layer where it picks by config
+    #: (``residual if self.uses_rms_norm else None``): the model says when the residual is in the stream
+    residual_arg: str | None = None
+    #: ``if self.use_sequence_parallel: hidden_states = sp_all_gather(hidden_states)[...]`` between the loop
+    #: and the non-last return (Step5): the same gather is applied to each captured state after it
+    gather: cst.If | None = None
 
 
-def parse_loop(loop: cst.For, used: set[str]) -> Loop:
+def parse_loop(loop: cst.For, used: set[str], aliases: dict[str, cst.BaseExpression] | None = None) -> Loop:
+    """How to read the loop's global index. ``aliases`` (``stage_aliases``) stand for the layers they name."""
     it, target = loop.iter, loop.target
     one = cst.Integer("1")
+    aliased: cst.Name | None = None
+    conditional = conditional_iter(it)
+    if conditional is not None:
+        raise Decline(f"the layer loop runs over a conditional expression (`{code_of(conditional)}`): on its other "
+                      "branch this stage's layers run elsewhere, which the rewrite does not follow", loop)
+    if aliases and _alias_iter(it, aliases):
+        name = cst.ensure_type(it.args[0].value if isinstance(it, cst.Call) else it, cst.Name)
+        real = aliases[name.value]
+        aliased = name
+        it = it.with_changes(args=[it.args[0].with_changes(value=real), *it.args[1:]]) if isinstance(it, cst.Call) else real
 
     def plus_one(idx: str) -> cst.BaseExpression:
         return cst.BinaryOperation(cst.Name(idx), cst.Add(), one)
@@ -139,7 +194,7 @@ def parse_loop(loop: cst.For, used: set[str]) -> Loop:
     if not enumerated:
         idx = fresh("idx", used)
         new_iter = cst.Call(cst.Name("enumerate"), [
-            cst.Arg(stage_layers, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+            cst.Arg(aliased or stage_layers, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
             cst.Arg(START_EXPR(), keyword=cst.Name("start"), equal=cst.AssignEqual(
                 whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")))])
         new_target = cst.Tuple([cst.Element(cst.Name(idx), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
@@ -179,7 +234,10 @@ def layer_call_at(loop: cst.For, parsed: Loop) -> int | None:
     for stmt in body:  # `layer = self.layers[i]` in a range loop
         if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name())], value=indexed)])):
             names.add(cst.ensure_type(cst.ensure_type(stmt.body[0], cst.Assign).targets[0].target, cst.Name).value)  # type: ignore[attr-defined]
-    call = m.Call(func=m.OneOf(*(m.Name(n) for n in names)) | indexed) if names else m.Call(func=indexed)
+    layer = m.OneOf(*(m.Name(n) for n in names)) | indexed if names else indexed
+    # `(kernel or layer)(...)`: a specialized kernel standing in for the layer, same inputs and outputs
+    # (Kimi-K3 AMD, MiniMax-M3 AMD under their specialized decode)
+    call = m.Call(func=layer | m.BooleanOperation(operator=m.Or(), right=layer) | m.BooleanOperation(operator=m.Or(), left=layer))
     for i, stmt in enumerate(body):
         if m.findall(stmt, m.Assign(value=call)):
             return i

@@ -24,9 +24,11 @@ from pipespec.codemods.vllm_forward_shape import names_in, own_scope, self_attr
 from pipespec.codemods.vllm_native_captures import (
     aux_names,
     before_layer_captures,
+    conditional_residual,
     is_aux_return_guard,
     is_capture_stmt,
     is_sequence_parallel_epilogue,
+    own_start_capture,
     own_value_captures,
     sent_stream,
 )
@@ -50,8 +52,10 @@ from pipespec.codemods.vllm_native_loop import (
     own_flag,
     params_of,
     parse_loop,
+    stage_aliases,
     stage_loops,
 )
+from pipespec.codemods.vllm_native_residual import _layer_classes as layer_classes  # H6's lookup, read only
 from pipespec.codemods.vllm_native_residual import residual_read, unsent_stale_residual
 
 
@@ -67,7 +71,7 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int],
     loop = loops[0]
     body = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
     if not any(s is loop for s in body):
-        _decline_nested(fn, body, loop)
+        _decline_nested(cls, fn, body, loop)
     return plan_loop(cls, fn, body, loop, line_of, lookup)
 
 
@@ -85,13 +89,16 @@ def plan_loop(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStateme
     if yields:
         raise Decline("forward yields: only a function that returns is understood", yields[0])
     used = names_in(fn)
-    parsed = parse_loop(loop, used)
+    parsed = parse_loop(loop, used, stage_aliases(fn))
     on_path = {id(r) for st in body for r in m.findall(st, m.Return())}
     nonlast, last = _returns(cls, fn, body, loop, [r for r in scope.returns if id(r) in on_path], line_of)
     if not nonlast:
         raise Decline("forward never returns IntermediateTensors({...}) for non-last ranks: it does not support "
                       "pipeline parallelism", fn)
     hidden, residual = sent_stream(body, nonlast)
+    fold = folded_residual(body, loop, parsed, hidden, nonlast) if residual is None else None
+    if fold is not None:  # the residual travels inside the tensor sent as hidden_states
+        residual = fold[0]
     aux = aux_names(fn)
     remove: list[cst.CSTNode] = []
     for stmt in [*body, *cst.ensure_type(loop.body, cst.IndentedBlock).body]:
@@ -100,17 +107,28 @@ def plan_loop(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStateme
         if is_capture_stmt(stmt, aux, hidden, residual) or is_aux_return_guard(stmt, aux):
             remove.append(stmt)
     removed = {id(n) for n in remove}
+    start = own_start_capture(body, loop, aux)
+    if start is not None:
+        after = body[body.index(start) + 1: next(i for i, s in enumerate(body) if s is loop)]
+        changed = next((s for s in after if bound_names(s) & ({hidden} | ({residual} if residual else set()))), None)
+        if changed is not None:
+            raise Decline(f"`{code_of(changed)}` changes the stream between the model's own id start_layer capture "
+                          "and the layer loop", changed)
+    residual_arg = conditional_residual(remove, residual) if residual is not None else None
     own = own_value_captures(loop, parsed, aux, removed)
     ahead, end = before_layer_captures(body, loop, parsed, aux, removed) if not own else (None, None)
     if ahead is not None and end is not None:
         own = [ahead, end]
         remove.append(end)
         removed.add(id(end))
+    gather = None
     if not own:
         stale = unsent_stale_residual(cls, fn, loop, parsed, hidden, residual, lookup)
-        _check_layer_call(fn, loop, hidden, residual or stale)
-        _check_after_loop(fn, body, loop, hidden, residual, nonlast)
-    _check_aux_uses(body, loop, aux, removed, {id(st) for st in own}, bool(own))
+        cache = _cache_check(cls, parsed, lookup)
+        _check_layer_call(fn, body, loop, hidden, residual or stale, nonlast, cache)
+        gather = _check_after_loop(fn, body, loop, hidden, residual, nonlast, fold[1] if fold is not None else None)
+    kept_start = {id(start)} if start is not None and not own else set()  # with the model's own captures: declined
+    _check_aux_uses(body, loop, aux, removed, {id(st) for st in own} | kept_start, bool(own))
     for ret in last:
         if isinstance(ret.value, cst.Tuple) and not any(r is ret for g in remove for r in m.findall(g, m.Return())):
             raise Decline(f"the last rank already returns a tuple (`{code_of(ret)}`)", ret)
@@ -126,20 +144,27 @@ def plan_loop(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStateme
     if own:
         aux_name = next(iter(aux))
     return ForwardPlan(parsed, hidden, residual, bound, tuple(nonlast), tuple(last), tuple(remove), aux_name,
-                       rank_check, bool(own) and ahead is None, ahead, end)
+                       rank_check, bool(own) and ahead is None, ahead, end,
+                       start_capture=start if not own else None, residual_arg=residual_arg, gather=gather)
 
 
-def _decline_nested(fn: cst.FunctionDef, body: list[cst.BaseStatement], loop: cst.For) -> None:
+def _decline_nested(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStatement], loop: cst.For) -> None:
     """``Decline`` for the layer loop nested in another statement, saying what it is nested in."""
     try:
-        runs = layer_call_at(loop, parse_loop(loop, names_in(fn))) is not None
+        parsed: Loop | None = parse_loop(loop, names_in(fn), stage_aliases(fn))
+        runs = layer_call_at(loop, parsed) is not None  # type: ignore[arg-type]
     except Decline:
-        runs = True
+        parsed, runs = None, True
     if not runs:
+        attr = parsed.layers_attr if parsed is not None else "layers"
+        helpers = [name for name, meth in methods(cls).items() if name != "forward"
+                   and m.findall(meth, m.Call(func=m.Subscript(value=self_attr(attr))))]
+        where = (f"; they run in helper methods ({', '.join(helpers)}), which keep their captures otherwise than"
+                 if helpers else ", and no helper method of this class runs them in")
         raise Decline(f"forward's only loop over this stage's layers (`for ... in {code_of(loop.iter)}`, nested "
-                      "in another statement) does not call them, and no helper method of this class runs them in "
-                      "the form the rewrite follows (a loop over a range forward passes, capturing into a dict "
-                      "keyed by layer id that forward turns into the list its last rank returns)", loop)
+                      f"in another statement) does not call them{where} the one helper form the rewrite follows "
+                      "(a loop over a range forward passes, capturing into a dict keyed by layer id that forward "
+                      "turns into the list its last rank returns)", loop)
     outer = next((st for st in body if any(x is loop for x in m.findall(st, m.For()))), None)
     if isinstance(outer, (cst.For, cst.While)):
         head = f"for ... in {code_of(outer.iter)}" if isinstance(outer, cst.For) else f"while {code_of(outer.test)}"
@@ -234,9 +259,14 @@ def bound_names(stmt: cst.CSTNode) -> set[str]:
     return out
 
 
-def _check_layer_call(fn: cst.FunctionDef, loop: cst.For, hidden: str, residual: str | None) -> None:
+def _check_layer_call(fn: cst.FunctionDef, top: list[cst.BaseStatement], loop: cst.For, hidden: str,
+                      residual: str | None, nonlast: Sequence[cst.Return],
+                      cache: Callable[[cst.Call, str], bool] = lambda call, name: False) -> None:
     """Every assignment in the loop that binds the hidden stream binds only it and the residual; anything
-    else a layer hands to the next layer (deferred adds, recurrent state) is not in the captured stream."""
+    else a layer hands to the next layer (deferred adds, recurrent state) is not in the captured stream,
+    except a cache: a value every stage starts again from None, that the hand-off neither sends nor folds
+    in (``dropped_at_hand_off``) and that every layer class computes itself when given None (``cache``:
+    Beam's next-norm ``normalized_states``)."""
     body = cst.ensure_type(loop.body, cst.IndentedBlock)
     read = _read_names(fn)
     for assign in m.findall(body, m.Assign()):
@@ -247,7 +277,10 @@ def _check_layer_call(fn: cst.FunctionDef, loop: cst.For, hidden: str, residual:
             plain = [n.value for n in names if isinstance(n, cst.Name)]
             if hidden not in plain:
                 continue
-            extra = [n for n in plain if n not in (hidden, residual, "_") and n in read]
+            value = cst.ensure_type(assign, cst.Assign).value
+            extra = [n for n in plain if n not in (hidden, residual, "_") and n in read
+                     and not (isinstance(value, cst.Call) and dropped_at_hand_off(top, loop, n, nonlast)
+                              and cache(value, n))]
             if extra or len(plain) != len(names):
                 carried = ", ".join(f"`{n}`" for n in extra) if extra else f"`{code_of(t.target)}`"
                 sent = f"`{hidden}`" + (f" and `{residual}`" if residual else "")
@@ -261,11 +294,11 @@ def _check_layer_call(fn: cst.FunctionDef, loop: cst.For, hidden: str, residual:
 
 def running_loops(fn: cst.FunctionDef, loops: list[cst.For]) -> list[cst.For]:
     """The loops of ``loops`` that call the layers they visit (a loop whose header cannot be read counts)."""
-    used = names_in(fn)
+    used, aliases = names_in(fn), stage_aliases(fn)
 
     def calls(loop: cst.For) -> bool:
         try:
-            return layer_call_at(loop, parse_loop(loop, used)) is not None
+            return layer_call_at(loop, parse_loop(loop, used, aliases)) is not None
         except Decline:
             return True
 
@@ -281,29 +314,182 @@ def _running_loops(fn: cst.FunctionDef, loops: list[cst.For], line_of: Callable[
         return running
     lines = ", ".join(str(line_of(lp)) for lp in running or loops)
     raise Decline(f"forward has {len(running) or len(loops)} loops that run this stage's layers (lines {lines}) and "
-                  "they are not one per config branch (each directly in a top-level `if` or `else` block that ends "
-                  "in a return, or after such `if`s): one path through forward may run several, which the rewrite "
-                  "does not follow", (running or loops)[1])
+                  "they are not one per config branch in the form the rewrite follows (each directly in a top-level "
+                  "`if` or `else` block that ends in a return, or after such `if`s), the form in which it can tell "
+                  "that no path through forward runs two", (running or loops)[1])
 
 
 
 def _check_after_loop(fn: cst.FunctionDef, body: list[cst.BaseStatement], loop: cst.For, hidden: str,
-                      residual: str | None, nonlast: list[cst.Return]) -> None:
-    """Nothing between the loop and a non-last return changes what is sent: the last layer's capture must
-    be what the next stage receives."""
+                      residual: str | None, nonlast: list[cst.Return], fold: cst.CSTNode | None = None) -> cst.If | None:
+    """Nothing between the loop and a non-last return changes what is sent (but ``fold``, which adds the
+    residual into it): the last layer's capture must be what the next stage receives. Returns the one
+    sequence-parallel gather of the stream there (``shard_gather``), which the rewrite applies to each
+    captured state too."""
     at = next(i for i, s in enumerate(body) if s is loop)
     stream = {hidden} | ({residual} if residual else set())
+    gather: cst.If | None = None
     for stmt in body[at + 1:]:
+        if stmt is fold:
+            continue
+        if gather is None and shard_gather(stmt, hidden, residual):
+            gather = cst.ensure_type(stmt, cst.If)
+            continue
         if any(r is x for r in nonlast for x in m.findall(stmt, m.Return())):
             inner = stmt.body.body if isinstance(stmt, cst.If) and isinstance(stmt.body, cst.IndentedBlock) else ()
             for s in inner:
-                if bound_names(s) & stream:
+                if s is not fold and bound_names(s) & stream:
                     raise Decline(f"`{code_of(s)}` changes `{'/'.join(sorted(bound_names(s) & stream))}` after the "
                                   "layer loop, before the non-last-rank return: the stream sent on is not the last "
                                   "layer's output", s)
-            return
+            return gather
         if bound_names(stmt) & stream:
+            if _gathers_shards(stmt):
+                raise Decline(f"`{code_of(stmt)}` gathers the stream after the layer loop, before the non-last-rank "
+                              "return, in a form other than one `hidden_states = <gather of hidden_states>`: under "
+                              "sequence parallelism the layers run on token shards, so a capture after each layer "
+                              "would keep a shard, not the stream the next stage receives", stmt)
             raise Decline(f"`{code_of(stmt)}` changes the stream after the layer loop, before the non-last-rank return", stmt)
+    return gather
+
+
+def _gathers_shards(stmt: cst.CSTNode) -> bool:
+    """``if <...sequence_parallel...>: x = <...gather...>(x)``: sequence-parallel shards made whole again."""
+    return (isinstance(stmt, cst.If) and any("sequence_parallel" in n for n in names_in(stmt.test))
+            and any("gather" in n for n in names_in(stmt.body)))
+
+
+def shard_gather(stmt: cst.CSTNode, hidden: str, residual: str | None) -> bool:
+    """``if <...sequence_parallel...>: hidden = <...gather...>(hidden)[...]`` and nothing else, the value
+    reading the stream through ``hidden`` alone (Step5): the stage's token shards made whole before the
+    hand-off, a transformation the rewrite can apply to each captured state as well."""
+    if not _gathers_shards(stmt) or cst.ensure_type(stmt, cst.If).orelse is not None:
+        return False
+    inner = cst.ensure_type(cst.ensure_type(stmt, cst.If).body, cst.IndentedBlock).body
+    if len(inner) != 1 or not m.matches(inner[0], m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(hidden))])])):
+        return False
+    value = cst.ensure_type(cst.ensure_type(inner[0], cst.SimpleStatementLine).body[0], cst.Assign).value
+    return hidden in names_in(value) and (residual is None or residual not in names_in(value))
+
+
+def folded_residual(body: list[cst.BaseStatement], loop: cst.For, parsed: Loop, hidden: str,
+                    nonlast: Sequence[cst.Return]) -> tuple[str, cst.BaseStatement] | None:
+    """(the residual name, the statement that folds it into the hidden stream) where the layers hand on
+    ``hidden, R`` and the non-last path adds ``R`` into ``hidden`` before sending ``hidden`` alone, every
+    stage starting from ``R = None`` (DeepSeek-V3.2 0.34: ``hidden_states = residual +
+    tensor_model_parallel_all_reduce(hidden_states)``; Step5: ``if residual is not None: hidden_states =
+    layer._add_for_residual(hidden_states, residual)``). The stream at a layer boundary is then
+    ``hidden + R``, exactly what a next stage receives."""
+    at = layer_call_at(loop, parsed)
+    if at is None:
+        return None
+    call_stmt = cst.ensure_type(loop.body, cst.IndentedBlock).body[at]
+    pairs = [cst.ensure_type(a, cst.Assign).targets[0].target for a in m.findall(call_stmt, m.Assign(
+        targets=[m.AssignTarget(m.Tuple([m.Element(m.Name(hidden)), m.Element(m.Name())]))]))]
+    if len(pairs) != 1:
+        return None
+    res = cst.ensure_type(cst.ensure_type(pairs[0], cst.Tuple).elements[1].value, cst.Name).value
+    start = next(i for i, s in enumerate(body) if s is loop)
+    before = [s for s in body[:start] if res in bound_names(s)]
+    none = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(res))], value=m.Name("None"))])
+    if not before or not all(m.matches(s, none) for s in before):
+        return None
+    path: list[cst.BaseStatement] = []
+    for stmt in body[start + 1:]:
+        if any(r is x for r in nonlast for x in m.findall(stmt, m.Return())):
+            inner = stmt.body.body if isinstance(stmt, cst.If) and isinstance(stmt.body, cst.IndentedBlock) else ()
+            path += [s for s in inner if not any(r is x for r in nonlast for x in m.findall(s, m.Return()))]
+            break
+        path.append(stmt)
+    reading = [s for s in path if res in names_in(s)]
+    if len(reading) != 1 or not _is_fold(reading[0], hidden, res):
+        return None
+    return res, reading[0]
+
+
+def _is_fold(stmt: cst.BaseStatement, hidden: str, res: str) -> bool:
+    """``hidden = res + f(hidden)`` / ``f(hidden) + res``, or under ``if res is not None:`` one of those or
+    ``hidden = <call>(hidden, res)`` (the model's own add)."""
+    def assigns_fold(line: cst.BaseStatement, call_ok: bool) -> bool:
+        if not m.matches(line, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(hidden))])])):
+            return False
+        value = cst.ensure_type(cst.ensure_type(line, cst.SimpleStatementLine).body[0], cst.Assign).value
+        if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Add):
+            sides = (value.left, value.right)
+            return (any(m.matches(x, m.Name(res)) for x in sides)
+                    and any(hidden in names_in(x) and res not in names_in(x) for x in sides))
+        return call_ok and isinstance(value, cst.Call) and len(value.args) == 2 and {
+            code_of(a.value) for a in value.args} == {hidden, res}
+    if isinstance(stmt, cst.If) and stmt.orelse is None and m.matches(stmt.test, m.Comparison(
+            left=m.Name(res), comparisons=[m.ComparisonTarget(m.IsNot(), m.Name("None"))])):
+        inner = cst.ensure_type(stmt.body, cst.IndentedBlock).body
+        return len(inner) == 1 and assigns_fold(inner[0], True)
+    return assigns_fold(stmt, False)
+
+
+def _cache_check(cls: cst.ClassDef, parsed: Loop, lookup: ClassLookup | None) -> Callable[[cst.Call, str], bool]:
+    """``check(call, name)``: every layer class of the loop, given ``name`` by ``call``, computes that value
+    itself when it is None (``recomputed_when_none``), so a stage that starts it from None loses nothing."""
+    def check(call: cst.Call, name: str) -> bool:
+        slot = next(((a.keyword.value if a.keyword is not None else i) for i, a in enumerate(call.args)
+                     if m.matches(a.value, m.Name(name))), None)
+        found = layer_classes(cls, parsed.layers_attr, lookup) if lookup is not None and slot is not None else None
+        if not isinstance(found, list) or not found or slot is None:  # not found from the source: not a cache
+            return False
+        return all(recomputed_when_none(layer, slot) for layer, _ in found)
+    return check
+
+
+def recomputed_when_none(layer: cst.ClassDef, slot: int | str) -> bool:
+    """The layer's ``forward`` reads the parameter at ``slot`` only as ``<its own value> if p is None else p``
+    (or ``p if p is not None else ...``): an optional precomputed input it computes itself when not given."""
+    fn = methods(layer).get("forward")
+    if fn is None:
+        return False
+    positional = [x.name.value for x in (*fn.params.posonly_params, *fn.params.params)][1:]
+    name = positional[slot] if isinstance(slot, int) and slot < len(positional) else slot if isinstance(slot, str) else None
+    if name is None or name not in params_of(fn):
+        return False
+    is_none = m.Comparison(left=m.Name(name), comparisons=[m.ComparisonTarget(m.Is(), m.Name("None"))])
+    not_none = m.Comparison(left=m.Name(name), comparisons=[m.ComparisonTarget(m.IsNot(), m.Name("None"))])
+    allowed: set[int] = set()
+    for node in m.findall(fn.body, m.IfExp(test=is_none, orelse=m.Name(name)) | m.IfExp(test=not_none, body=m.Name(name))):
+        ifexp = cst.ensure_type(node, cst.IfExp)
+        given = ifexp.orelse if m.matches(ifexp.test, is_none) else ifexp.body
+        computed = ifexp.body if given is ifexp.orelse else ifexp.orelse
+        if name in names_in(computed):
+            continue
+        allowed |= {id(n) for n in m.findall(ifexp.test, m.Name(name))} | {id(given)}
+    uses = m.findall(fn.body, m.Name(name))
+    return bool(uses) and all(id(n) in allowed for n in uses)
+
+
+def dropped_at_hand_off(body: list[cst.BaseStatement], loop: cst.For, name: str, nonlast: Sequence[cst.Return]) -> bool:
+    """``name`` is carried from layer to layer, but every stage starts it again from None (bound only to
+    None before the loop, at forward's top level) and nothing between the loop and the non-last return
+    reads it: the model's own hand-off drops it at every stage boundary, and since any layer boundary can be
+    a stage boundary, the layers need only the stream sent there (Beam's ``normalized_states``, the next
+    layer's input norm computed early, which a layer given None computes itself)."""
+    start = next((i for i, s in enumerate(body) if s is loop), None)
+    if start is None:
+        return False
+    before = [s for s in body[:start] if name in bound_names(s)]
+    none = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(name))], value=m.Name("None"))
+                                       | m.AnnAssign(target=m.Name(name), value=m.Name("None"))])
+    if not before or not all(m.matches(s, none) for s in before):
+        return False
+    for stmt in body[start + 1:]:
+        if any(r is x for r in nonlast for x in m.findall(stmt, m.Return())):
+            inner = stmt.body.body if isinstance(stmt, cst.If) and isinstance(stmt.body, cst.IndentedBlock) else ()
+            for s in inner:
+                if any(r is x for r in nonlast for x in m.findall(s, m.Return())):
+                    return name not in names_in(s)
+                if name in names_in(s):
+                    return False
+            return True
+        if name in names_in(stmt):
+            return False
+    return False
 
 
 def _check_return_placement(fn: cst.FunctionDef, ret: cst.Return) -> None:

@@ -8,6 +8,7 @@ vLLM is tests/vllm/test_codegen_import.py.
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -18,34 +19,77 @@ from typing import Any
 
 import pytest
 
-from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
+from pipespec import __version__
+from pipespec.codemods.adapt_vllm_native import GENERATOR, GENERATOR_VERSION, adapt_vllm_module
 from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
+# byte-exact copies of vLLM files, one folder per release (dropping a release deletes its folder), each
+# adapted file's committed output in <release>/expected/
 FIXTURES = ROOT / "tests" / "fixtures" / "vllm_native"
 ADAPTER_GEN = str(Path(sys.executable).parent / "adapter-gen")
-# file -> (decoder, status, holders, decoder attribute): what each golden fixture covers
+# release/file -> (path in vLLM, decoder, status, holders, decoder attribute): what each fixture covers
 GOLDEN = {
-    "gemma2": ("Gemma2Model", "adapted", ("Gemma2ForCausalLM",), "model"),  # islice loop made enumerate
-    "qwen3_moe": ("Qwen3MoeModel", "adapted", ("Qwen3MoeForCausalLM",), "model"),  # PP=1-only capture rewritten
-    "gpt2": ("GPT2Model", "adapted", ("GPT2LMHeadModel",), "transformer"),  # no residual, .transformer, .wte
-    "solar": ("SolarModel", "adapted", ("SolarForCausalLM",), "model"),  # range loop, first-rank-only embedding
-    "qwen3_vl_moe": ("Qwen3MoeLLMModel", "adapted", ("Qwen3MoeLLMForCausalLM",), "model"),  # islice(enumerate(...))
-    "step1": ("StepDecoderModel", "adapted", ("Step1ForCausalLM",), "model"),  # enumerate over a slice
-    "llama": ("LlamaModel", "unchanged", ("LlamaForCausalLM",), "model"),  # already PP-correct: byte-identical
+    "0.32.0/gemma2": ("model_executor/models/gemma2.py", "Gemma2Model", "adapted", ("Gemma2ForCausalLM",), "model"),  # islice loop made enumerate
+    "0.32.0/qwen3_moe": ("model_executor/models/qwen3_moe.py", "Qwen3MoeModel", "adapted", ("Qwen3MoeForCausalLM",), "model"),  # PP=1-only capture rewritten
+    "0.32.0/gpt2": ("model_executor/models/gpt2.py", "GPT2Model", "adapted", ("GPT2LMHeadModel",), "transformer"),  # no residual, .transformer, .wte
+    "0.32.0/solar": ("model_executor/models/solar.py", "SolarModel", "adapted", ("SolarForCausalLM",), "model"),  # range loop, first-rank-only embedding
+    "0.32.0/qwen3_vl_moe": ("model_executor/models/qwen3_vl_moe.py", "Qwen3MoeLLMModel", "adapted", ("Qwen3MoeLLMForCausalLM",), "model"),  # islice(enumerate(...))
+    "0.32.0/step1": ("model_executor/models/step1.py", "StepDecoderModel", "adapted", ("Step1ForCausalLM",), "model"),  # enumerate over a slice
+    "0.32.0/llama": ("model_executor/models/llama.py", "LlamaModel", "unchanged", ("LlamaForCausalLM",), "model"),  # already PP-correct: byte-identical
+    # the model's own id start_layer capture (a clone) kept on the first rank, its residual picked by config
+    "0.34.0/cohere2_moe": ("model_executor/models/cohere2_moe.py", "Cohere2MoeModel", "adapted", ("Cohere2MoeForCausalLM",), "model"),
+    # the residual folded into the one tensor sent on (residual + all_reduce(hidden_states))
+    "0.34.0/deepseek_v32_amd_model": ("models/deepseek_v32/amd/model.py", "DeepseekV32Model", "adapted", ("DeepseekV32ForCausalLM",), "model"),
+    "0.34.0/deepseek_v32_nvidia_model": ("models/deepseek_v32/nvidia/model.py", "DeepseekV32Model", "adapted", ("DeepseekV32ForCausalLM",), "model"),
+    # `(kernel or layer)(...)` in the attention-residual branch: one loop per config branch again
+    "0.34.0/kimi_k3_amd_linear": ("models/kimi_k3/amd/linear.py", "KimiLinearModel", "adapted", ("KimiLinearForCausalLM",), "model"),
+    # normalized_states: the next layer's norm computed early, dropped at every hand-off
+    "0.34.0/beam_amd_model": ("models/beam/amd/model.py", "BeamModel", "adapted", ("BeamForCausalLM",), "model"),
+    "0.34.0/beam_nvidia_model": ("models/beam/nvidia/model.py", "BeamModel", "adapted", ("BeamForCausalLM",), "model"),
+    # already PP-correct: layers looped through a local name inside if / try
+    "0.34.0/minimax_m3_amd_model": ("models/minimax_m3/amd/model.py", "MiniMaxM3Model", "unchanged",
+                                    ("MiniMaxM3SparseForCausalLM",), "model"),
+    # already PP-correct with the flag inherited from LlamaModel (a loop over a conditional expression on AMD)
+    "0.34.0/muse_spark_amd_model": ("models/muse_spark/amd/model.py", "MuseSparkModel", "unchanged", ("MuseSparkForCausalLM",), "model"),
+    "0.34.0/muse_spark_nvidia_model": ("models/muse_spark/nvidia/model.py", "MuseSparkModel", "unchanged", ("MuseSparkForCausalLM",), "model"),
+    "0.33.0/muse_spark_amd_model": ("models/muse_spark/amd/model.py", "MuseSpark1xModel", "unchanged", ("MuseSpark1xForCausalLM",), "model"),
+    "0.34.0/llama": ("model_executor/models/llama.py", "LlamaModel", "unchanged", ("LlamaForCausalLM",), "model"),
+    # the residual folded in after the loop, then a sequence-parallel gather applied to each capture too
+    "0.34.0/step5_nvidia_model": ("models/step5/nvidia/model.py", "Step5Model", "adapted", ("Step5ForCausalLM",), "model"),
+    # one loop per config branch, the specialized-decode one inside a `try`, both falling through
+    "0.33.0/minimax_m3_amd_model": ("models/minimax_m3/amd/model.py", "MiniMaxM3Model", "adapted",
+                                    ("MiniMaxM3SparseForCausalLM",), "model"),
 }
 pytestmark = pytest.mark.timeout(120)
 
 
-def label(name: str) -> str:
-    return f"vllm/model_executor/models/{name}.py (vllm 0.32.0)"
+def label(key: str) -> str:
+    release, _ = key.split("/")
+    return f"vllm/{GOLDEN[key][0]} (vllm {release})"
+
+
+def fixture_reader(release: str):  # type: ignore[no-untyped-def]
+    """What a fixture imports from a sibling fixture of its release (qwen3_vl_moe's decoder subclasses
+    qwen3_moe's; MuseSpark's subclasses llama's LlamaModel)."""
+
+    def read(dotted: str) -> str | None:
+        path = FIXTURES / release / f"{dotted.rsplit('.', 1)[-1]}.py"
+        return path.read_text() if path.is_file() else None
+
+    return read
 
 
 def fixture_module(dotted: str) -> str | None:
-    """What a fixture imports from a sibling fixture (qwen3_vl_moe's decoder subclasses qwen3_moe's)."""
-    path = FIXTURES / f"{dotted.rsplit('.', 1)[-1]}.py"
-    return path.read_text() if path.is_file() else None
+    return fixture_reader("0.32.0")(dotted)
+
+
+def golden(key: str) -> tuple[str, Path]:
+    """(the fixture's source, where its committed output is: the source itself when unchanged)."""
+    release, name = key.split("/")
+    source = FIXTURES / release / f"{name}.py"
+    return source.read_text(), source if GOLDEN[key][2] == "unchanged" else FIXTURES / release / "expected" / f"{name}.py"
 
 
 def adapt(code: str, **kwargs: object):  # type: ignore[no-untyped-def]
@@ -53,28 +97,29 @@ def adapt(code: str, **kwargs: object):  # type: ignore[no-untyped-def]
 
 
 # ---------------------------------------------------------------------------------- golden files
-@pytest.mark.parametrize("name", sorted(GOLDEN))
-def test_golden_fixture_output_is_the_committed_file(name: str) -> None:
-    """Each real vLLM file adapts to its committed output byte for byte, with the outcome it covers."""
-    source = (FIXTURES / f"{name}.py").read_text()
-    result = adapt_vllm_module(source, label=label(name), read_module=fixture_module)
-    assert result.code == (FIXTURES / "expected" / f"{name}.py").read_text()
+@pytest.mark.parametrize("key", sorted(GOLDEN))
+def test_golden_fixture_output_is_the_committed_file(key: str) -> None:
+    """Each real vLLM file adapts to its committed output byte for byte, with the outcome it covers; a
+    file already PP-correct comes back byte-identical."""
+    source, expected = golden(key)
+    result = adapt_vllm_module(source, label=label(key), read_module=fixture_reader(key.split("/")[0]))
+    assert result.code == expected.read_text()
     (outcome,) = result.decoders
-    assert (outcome.class_name, outcome.status, outcome.causal_lm, outcome.decoder_attr) == GOLDEN[name]
+    assert (outcome.class_name, outcome.status, outcome.causal_lm, outcome.decoder_attr) == GOLDEN[key][1:]
     if outcome.status == "unchanged":
         assert result.code == source
 
 
-@pytest.mark.parametrize("name", sorted(GOLDEN))
-def test_output_is_a_fixed_point(name: str) -> None:
+@pytest.mark.parametrize("key", sorted(GOLDEN))
+def test_output_is_a_fixed_point(key: str) -> None:
     """T(T(x)) == T(x): every output comes back byte-identical and "unchanged"."""
-    adapted = (FIXTURES / "expected" / f"{name}.py").read_text()
-    again = adapt_vllm_module(adapted, label=label(name), read_module=fixture_module)
+    adapted = golden(key)[1].read_text()
+    again = adapt_vllm_module(adapted, label=label(key), read_module=fixture_reader(key.split("/")[0]))
     assert again.code == adapted and [d.status for d in again.decoders] == ["unchanged"]
 
 
 def test_generated_code_follows_llamas_contract_and_imports_no_pipespec() -> None:
-    out = (FIXTURES / "expected" / "qwen3_moe.py").read_text()
+    out = (FIXTURES / "0.32.0" / "expected" / "qwen3_moe.py").read_text()
     assert "pipespec" not in "".join(line for line in out.splitlines(True) if "import" in line)
     for piece in ("remote_aux = self.collect_remote_aux_hidden_states(intermediate_tensors)",
                   "if get_pp_group().is_first_rank:\n            self._maybe_add_hidden_state(\n"
@@ -84,15 +129,27 @@ def test_generated_code_follows_llamas_contract_and_imports_no_pipespec() -> Non
                   "aux_hidden_states = remote_aux + aux_hidden_states\n        if len(aux_hidden_states) > 0:\n"
                   "            return hidden_states, aux_hidden_states\n        return hidden_states",
                   "class Qwen3MoeModel(nn.Module, EagleModelMixin):\n    supports_aux_hidden_states_over_pp = True\n"
-                  '    pipespec_generated_by = "adapt_vllm_native v1'):
+                  f'    pipespec_generated_by = "{GENERATOR} v{GENERATOR_VERSION} from vllm/model_executor/models/qwen3_moe.py"'):
         assert piece in out, piece
     assert "self._maybe_add_hidden_state(\n            [], self.start_layer" not in out  # the PP=1-only capture is gone
+
+
+def test_generated_header_names_the_generator_version_not_pipespecs() -> None:
+    """A pipespec release that does not change the output leaves every generated file (and golden) as it
+    is: the header and the marker name the codemod's own generator version only."""
+    for key in GOLDEN:
+        if GOLDEN[key][2] != "adapted":
+            continue
+        out = golden(key)[1].read_text()
+        stamped = [line for line in out.splitlines() if "Generated by pipespec" in line or "pipespec_generated_by" in line]
+        assert len(stamped) == 2, key
+        assert all(f"{GENERATOR} v{GENERATOR_VERSION}" in line and __version__ not in line for line in stamped), stamped
 
 
 def test_decoder_under_another_attribute_gets_what_vllm_looks_for() -> None:
     """GPT-2 keeps its decoder at .transformer and its embedding at .wte: the drafter's .model.embed_tokens
     and the protocol's layer lookups are provided as properties/methods, registering no module twice."""
-    out = (FIXTURES / "expected" / "gpt2.py").read_text()
+    out = (FIXTURES / "0.32.0" / "expected" / "gpt2.py").read_text()
     assert "    @property\n    def embed_tokens(self) -> nn.Module:" in out and "        return self.wte\n" in out
     assert "    @property\n    def model(self) -> nn.Module:" in out and "        return self.transformer\n" in out
     assert "        self.transformer._set_aux_hidden_state_layers(layers)\n" in out
@@ -101,7 +158,7 @@ def test_decoder_under_another_attribute_gets_what_vllm_looks_for() -> None:
 
 
 def test_first_rank_only_embedding_is_also_built_where_a_drafter_needs_it() -> None:
-    out = (FIXTURES / "expected" / "solar.py").read_text()
+    out = (FIXTURES / "0.32.0" / "expected" / "solar.py").read_text()
     assert ") or spec_decode_needs_target_embed(vllm_config):\n            self.embed_tokens = VocabParallelEmbedding(" in out
     assert "    spec_decode_needs_target_embed,\n" in out  # added to the file's own `from .utils import (...)`
 
@@ -164,7 +221,7 @@ def test_plain_islice_loop_before_after() -> None:
                 hidden_states, residual = layer(positions, hidden_states, residual)
 """ + TAIL
     after = '''\
-    # Generated by pipespec 0.1.0 (adapt_vllm_native v1) from toy.py.
+    # Generated by pipespec (adapt_vllm_native v2) from toy.py.
     # Adapted to vLLM's EAGLE3-over-PP contract (EagleModelMixin, SupportsEagle3):
     # ToyModel, ToyForCausalLM.
     # Do not edit those classes by hand; regenerate them with
@@ -183,7 +240,7 @@ def test_plain_islice_loop_before_after() -> None:
 
     class ToyModel(nn.Module, EagleModelMixin):
         supports_aux_hidden_states_over_pp = True
-        pipespec_generated_by = "adapt_vllm_native v1 (pipespec 0.1.0) from toy.py"
+        pipespec_generated_by = "adapt_vllm_native v2 from toy.py"
 
         def forward(self, input_ids, positions, intermediate_tensors, inputs_embeds=None):
             if get_pp_group().is_first_rank:
@@ -229,7 +286,7 @@ def test_plain_islice_loop_before_after() -> None:
             self.model = ToyModel(vllm_config=vllm_config, prefix=prefix)
 '''
     result = adapt(before)
-    assert result.code == textwrap.dedent(after).replace("0.1.0", __import__("pipespec").__version__)
+    assert result.code == textwrap.dedent(after)
     assert [(d.status, d.causal_lm, d.decoder_attr) for d in result.decoders] == [("adapted", ("ToyForCausalLM",), "model")]
 
 
@@ -398,7 +455,7 @@ def test_explicit_opt_out_is_declined_with_what_is_really_there() -> None:
 
 
 def test_spec_embed_rule_is_checked_against_the_source() -> None:
-    source = (FIXTURES / "gpt2.py").read_text()
+    source = (FIXTURES / "0.32.0" / "gpt2.py").read_text()
     spec = AdapterSpec(name="gpt2", decoder_class="vllm.model_executor.models.gpt2:GPT2Model", dialect="vllm",
                        layers_attr="h", embed_attr="wte", embed_decoder_attr="transformer")
     assert [d.status for d in adapt_vllm_module(source, label="gpt2.py", spec=spec).decoders] == ["adapted"]
@@ -410,7 +467,7 @@ def test_spec_embed_rule_is_checked_against_the_source() -> None:
 
 
 def test_absolute_imports_for_out_of_tree_modules() -> None:
-    source = (FIXTURES / "gemma2.py").read_text()
+    source = (FIXTURES / "0.32.0" / "gemma2.py").read_text()
     code = adapt_vllm_module(source, label="gemma2.py", absolute_imports=True).code
     assert "from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3, SupportsLoRA, SupportsPP" \
         not in code  # the file's own `.interfaces` import line is extended, not duplicated
@@ -454,7 +511,7 @@ def one_error_line(proc: subprocess.CompletedProcess[str], fragment: str) -> Non
 
 def test_cli_adapts_every_decoder_in_place_then_checks_clean(tmp_path: Path) -> None:
     src = tmp_path / "gemma2.py"
-    shutil.copy(FIXTURES / "gemma2.py", src)
+    shutil.copy(FIXTURES / "0.32.0" / "gemma2.py", src)
     assert run(str(src), "--check").returncode == 1  # detected as vllm, not adapted yet
     proc = run(str(src), "--in-place")
     assert proc.returncode == 0, proc.stderr
@@ -475,7 +532,7 @@ def test_cli_adapts_every_decoder_in_place_then_checks_clean(tmp_path: Path) -> 
 def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path: Path, write: str | None, args: list[str], fragment: str) -> None:
     src = tmp_path / "model.py"
     if write is None:
-        shutil.copy(FIXTURES / "gemma2.py", src)
+        shutil.copy(FIXTURES / "0.32.0" / "gemma2.py", src)
     else:
         src.write_text(write)
     before = src.read_bytes()
@@ -490,7 +547,7 @@ def test_cli_refuses_a_vllm_older_than_the_contract(tmp_path: Path) -> None:
     models.mkdir(parents=True)
     (tmp_path / "vllm" / "_version.py").write_text("__version__ = version = '0.31.0'\n")
     (models / "interfaces.py").write_text("class EagleModelMixin:\n    def _maybe_add_hidden_state(self):\n        pass\n")
-    shutil.copy(FIXTURES / "gemma2.py", models / "gemma2.py")
+    shutil.copy(FIXTURES / "0.32.0" / "gemma2.py", models / "gemma2.py")
     before = (models / "gemma2.py").read_bytes()
     one_error_line(run(str(models / "gemma2.py"), "--in-place"),
                    "vLLM 0.31.0 at ")
@@ -1047,7 +1104,7 @@ def test_layers_run_in_helper_methods_with_the_models_own_keyed_capture() -> Non
     (("aux_by_layer[layer_id] for layer_id in self.aux_hidden_state_layers", "aux_by_layer[layer_id] for layer_id in self.ids"),
      "does not read the helpers' captures in the order of self.aux_hidden_state_layers"),
     (("aux_by_layer[idx] = previous", "aux_by_layer[idx - 1] = previous"),
-     "and no helper method of this class runs them in the form the rewrite follows"),
+     "they run in helper methods (_run_layers), which keep their captures otherwise than the one helper form"),
 ])
 def test_helper_forms_that_cannot_be_read_as_safe_are_declined(change: tuple[str, str], fragment: str) -> None:
     """A helper run over a range that is not this stage's, a key that is not a layer id of this stage, forward
@@ -1084,3 +1141,144 @@ def test_a_stream_changed_between_the_loop_and_the_hand_off_is_declined(change: 
     (outcome,) = adapt(HEAD + loop + TAIL).decoders
     assert outcome.status == "declined", outcome
     assert "changes the stream after the layer loop, before the non-last-rank return" in outcome.reason
+
+
+# ------------------------------------------------ vLLM 0.33 / 0.34 forms (fixtures per release, above)
+def _release_fixture(key: str, change: tuple[str, str] | None = None):  # type: ignore[no-untyped-def]
+    """The outcome of the real file of ``key`` (``release/name``), with ``change`` (old, new) applied once."""
+    release, name = key.split("/")
+    source = (FIXTURES / release / f"{name}.py").read_text()
+    if change is not None:
+        assert source.count(change[0]) == 1, change[0]
+        source = source.replace(*change)
+    (outcome,) = adapt_vllm_module(source, label=label(key), read_module=fixture_reader(release)).decoders
+    return outcome
+
+
+@pytest.mark.parametrize("key", sorted(k for k, v in GOLDEN.items() if v[2] == "adapted"))
+def test_each_adapted_golden_carries_the_contract_in_its_decoder(key: str) -> None:
+    """The structure DESIGN.md's contract asks for, read from the golden's decoder (the 0.33/0.34 files cannot
+    be imported here, so this and the golden are what checks them): the flag on the class; collect before the
+    layer loop; every non-last return packs; every last return hands on remote + local; nothing from pipespec."""
+    out = golden(key)[1].read_text()
+    compile(out, key, "exec")
+    assert not [line for line in out.splitlines() if "import" in line and "pipespec" in line]
+    tree = ast.parse(out)
+    (dec,) = [c for c in tree.body if isinstance(c, ast.ClassDef) and c.name == GOLDEN[key][1]]
+    assert any(isinstance(s, ast.Assign) and ast.unparse(s) == "supports_aux_hidden_states_over_pp = True" for s in dec.body)
+    (forward,) = [f for f in dec.body if isinstance(f, ast.FunctionDef) and f.name == "forward"]
+    text = ast.unparse(forward)
+    collect = text.index("self.collect_remote_aux_hidden_states(intermediate_tensors)")
+    assert collect < text.index("for ")
+    nonlast = [r for r in ast.walk(forward) if isinstance(r, ast.Return) and "IntermediateTensors" in ast.unparse(r)]
+    assert nonlast and all("**self.pack_local_aux_hidden_states(" in ast.unparse(r) for r in nonlast)
+    assert text.count("= remote_aux + ") == len([r for r in ast.walk(forward) if isinstance(r, ast.Return)
+                                                  and isinstance(r.value, ast.Tuple)])
+
+
+def test_a_models_own_start_capture_stays_on_the_first_rank_and_its_residual_rule_by_config() -> None:
+    """Cohere2-MoE: the model clones the embedding before capturing id start_layer (a fused RMSNorm updates
+    it in place later) and passes `residual if self.uses_rms_norm else None` (LayerNorm layers rebind the
+    residual): both kept, the first only on the first rank."""
+    out = (FIXTURES / "0.34.0" / "expected" / "cohere2_moe.py").read_text()
+    assert ("        if (\n            get_pp_group().is_first_rank\n"
+            "            and self.start_layer in self.aux_hidden_state_layers\n        ):\n"
+            "            start_hidden_states = hidden_states\n") in out
+    assert "                layer_idx + 1,\n                hidden_states,\n                residual if self.uses_rms_norm else None,\n" in out
+    moved = _release_fixture("0.34.0/cohere2_moe", ("        for layer_idx, layer in enumerate(\n",
+                                                    "        hidden_states = hidden_states * 1\n        for layer_idx, layer in enumerate(\n"))
+    assert moved.status == "declined" and "changes the stream between the model's own id start_layer capture" in moved.reason
+
+
+def test_a_residual_folded_into_the_sent_tensor_is_part_of_the_stream() -> None:
+    """DeepSeek-V3.2 (0.34) sends `residual + all_reduce(hidden_states)` as hidden_states and starts every
+    stage from residual = None: the stream at a layer boundary is hidden + residual, captured as such."""
+    out = (FIXTURES / "0.34.0" / "expected" / "deepseek_v32_amd_model.py").read_text()
+    assert "aux_hidden_states, idx + 1, hidden_states, residual\n" in out
+    assert "hidden_states = residual + tensor_model_parallel_all_reduce(hidden_states)\n" in out
+    received = _release_fixture("0.34.0/deepseek_v32_amd_model", (
+        "        # Later PP stages receive the TP-reduced residual stream, like an embedding.\n        residual = None\n",
+        "        residual = intermediate_tensors.get(\"residual\") if intermediate_tensors else None\n"))
+    assert received.status == "declined" and "`residual` is carried from layer to layer" in received.reason
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    # the carried value is mixed into what is sent (not added as a residual is): real state, not a cache
+    (("            return IntermediateTensors({\"hidden_states\": hidden_states})\n",
+      "            hidden_states = hidden_states * normalized_states\n"
+      "            return IntermediateTensors({\"hidden_states\": hidden_states})\n"),
+     "`normalized_states` is carried from layer to layer"),
+    # a later stage would start it from something else than the first stage does
+    (("        normalized_states = None\n", "        normalized_states = hidden_states\n"),
+     "`normalized_states` is carried from layer to layer"),
+    # the layer reads it beyond `<its own value> if normalized_states is None else normalized_states`
+    (("        x = self.self_attn(positions, x)\n",
+      "        x = self.self_attn(positions, x)\n        hidden_states = hidden_states + normalized_states\n"),
+     "`normalized_states` is carried from layer to layer"),
+])
+def test_a_value_dropped_at_every_hand_off_is_not_the_stream_but_real_carried_state_is(
+        change: tuple[str, str], fragment: str) -> None:
+    """Beam's normalized_states (the next layer's input norm, computed early; None makes a layer compute it)
+    is dropped at every stage boundary by the model's own hand-off, and any layer boundary can be one: the
+    stream is hidden_states alone (the golden). Mixed into the hand-off (other than added, as a residual is),
+    not restarted from None, or read by a layer beyond "mine if None": state the stream does not hold."""
+    outcome = _release_fixture("0.34.0/beam_amd_model", change)
+    assert outcome.status == "declined" and fragment in outcome.reason, outcome
+
+
+def test_a_sequence_parallel_gather_of_the_stream_is_applied_to_each_capture() -> None:
+    """Step5 (NVIDIA) folds its residual in after the loop, then all-gathers the sequence-parallel token
+    shards before the hand-off: each captured state (a shard too) gets the same gather. A gather in another
+    form (more than the one assignment) is declined: a capture would keep a shard."""
+    out = (FIXTURES / "0.34.0" / "expected" / "step5_nvidia_model.py").read_text()
+    assert ("        if self.use_sequence_parallel:\n            hidden_states = sp_all_gather(hidden_states)[: positions.shape[0]]\n"
+            "        if self.use_sequence_parallel:\n            aux_hidden_states = [\n"
+            "                sp_all_gather(state)[: positions.shape[0]]\n                for state in aux_hidden_states\n"
+            "            ]\n") in out
+    outcome = _release_fixture("0.34.0/step5_nvidia_model", (
+        "            hidden_states = sp_all_gather(hidden_states)[: positions.shape[0]]\n\n",
+        "            hidden_states = sp_all_gather(hidden_states)[: positions.shape[0]]\n"
+        "            hidden_states = hidden_states.contiguous()\n\n"))
+    assert outcome.status == "declined"
+    assert "under sequence parallelism the layers run on token shards" in outcome.reason
+
+
+def test_one_loop_per_branch_inside_a_try_falling_through_to_one_hand_off() -> None:
+    """MiniMax-M3 AMD (0.33): `if decode is None:` runs the plain loop, `else:` its specialized-decode loop in a
+    `try`; both fall through to one hand-off. Each loop captures with the global index (enumerate counts from 0:
+    `self.start_layer + idx + 1`), id start_layer once on the first rank, and the stale "not yet compatible"
+    comment goes with the capture it described."""
+    out = (FIXTURES / "0.33.0" / "expected" / "minimax_m3_amd_model.py").read_text()
+    assert [line.strip() for line in out.splitlines()].count("self.start_layer + idx + 1,") == 2
+    assert "EAGLE3 is not yet compatible with pipeline parallel" not in out
+    assert "_maybe_add_hidden_state([], 0," not in out
+
+
+def test_an_inherited_flag_is_read_from_the_base_classes_source() -> None:
+    """MuseSpark subclasses LlamaModel (which sets the flag) and its own forward collects and packs: vLLM's
+    runner reads the flag with getattr, so it is supported as it is. Where the base cannot be read, or sets
+    no flag, the decline says which."""
+    assert _release_fixture("0.34.0/muse_spark_nvidia_model").status == "unchanged"
+    source = (FIXTURES / "0.34.0" / "muse_spark_nvidia_model.py").read_text()
+    (unread,) = adapt_vllm_module(source, label=label("0.34.0/muse_spark_nvidia_model"),
+                                  read_module=lambda dotted: None).decoders
+    assert unread.status == "declined"
+    assert ("does not set supports_aux_hidden_states_over_pp and its bases LlamaModel cannot be read from the source"
+            in unread.reason)
+    llama = (FIXTURES / "0.34.0" / "llama.py").read_text().replace(
+        "    supports_aux_hidden_states_over_pp = True\n", "    supports_aux_hidden_states_over_pp = False\n")
+    (off,) = adapt_vllm_module(source, label=label("0.34.0/muse_spark_nvidia_model"),
+                               read_module={"vllm.model_executor.models.llama": llama}.get).decoders
+    assert off.status == "declined" and "it inherits supports_aux_hidden_states_over_pp = False from LlamaModel" in off.reason
+
+
+def test_layers_looped_through_a_local_name_or_a_conditional_expression_are_seen() -> None:
+    """MiniMax-M3 AMD loops `layers = self.layers[s:e]` inside if/try, MuseSpark AMD over `self.layers[s:e]
+    if mono_out is None else []`: both are PP decoders (judged unchanged above). A conditional loop that is
+    not already correct is declined: on its other branch the layers run elsewhere."""
+    source = (FIXTURES / "0.34.0" / "muse_spark_amd_model.py").read_text()
+    changed = source.replace("        remote_aux = self.collect_remote_aux_hidden_states(intermediate_tensors)\n", "")
+    changed = changed.replace("        aux_hidden_states = remote_aux + aux_hidden_states\n", "")
+    (outcome,) = adapt_vllm_module(changed, label=label("0.34.0/muse_spark_amd_model"),
+                                   read_module=fixture_reader("0.34.0")).decoders
+    assert outcome.status == "declined" and "the layer loop runs over a conditional expression" in outcome.reason

@@ -19,7 +19,7 @@ import pytest
 import vllm
 from vllm.model_executor.models.interfaces import EagleModelMixin, supports_eagle3
 
-from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
+from pipespec.codemods.adapt_vllm_native import GENERATOR, GENERATOR_VERSION, adapt_vllm_module
 
 VLLM = Path(vllm.__file__).parent
 MODELS = VLLM / "model_executor" / "models"
@@ -54,7 +54,7 @@ def test_adapted_module_imports_and_passes_vllms_checks(name: str, tmp_path: Pat
             decoder = getattr(module, outcome.class_name)
             assert issubclass(decoder, EagleModelMixin)
             assert decoder.__dict__.get("supports_aux_hidden_states_over_pp") is True
-            assert decoder.__dict__["pipespec_generated_by"].startswith("adapt_vllm_native v1")
+            assert decoder.__dict__["pipespec_generated_by"].startswith(f"{GENERATOR} v{GENERATOR_VERSION} ")
             assert outcome.causal_lm, f"{outcome.class_name}: no *ForCausalLM found"
             for holder_name in outcome.causal_lm:
                 holder = getattr(module, holder_name)
