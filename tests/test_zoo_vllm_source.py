@@ -31,6 +31,9 @@ from pipespec.integrations.vllm.sources import source_tree
 READY_AT_LEAST = {"0.32.0": 85, "0.33.0": 92, "0.34.0": 93}
 ISSUE_FILES = {"0.32.0": 96, "0.33.0": 101, "0.34.0": 102}
 PIPESPEC = [str(Path(sys.executable).parent / "pipespec")]
+# One zoo run per release (~100 files through the codemod twice) takes 2-6 min on the shared 2-core machine,
+# inside its first test's setup: beyond pytest-timeout's default 300 s when the cores are busy.
+pytestmark = pytest.mark.timeout(1200)
 
 
 @pytest.fixture(scope="module", params=sorted(READY_AT_LEAST))
