@@ -169,6 +169,25 @@ def test_receive_buffers_without_a_sent_key_fail_on_that_rank_without_blocking_t
 
 
 @pytest.mark.timeout(240)
+def test_a_killed_rank_fails_its_request_and_its_group_is_restarted() -> None:
+    """A PP=2 worker killed between models: the next request names it as dead, the pair is restarted
+    (forked again from the fork server), and the request after that runs on the new pair."""
+    own = WorkerPool(sizes=(2,))
+    try:
+        job = _job("llama", "LlamaForCausalLM", None)
+        assert run_pipeline(own, job, (0, 3, 4, 6), 6, 2).sends(0) == ("aux_hidden_states_0", "aux_hidden_states_1")
+        killed, _ = own.workers["pp2-1"]
+        killed.kill()
+        killed.join(10)
+        with pytest.raises(PipelineError, match=r"^PP=2 rank 0: pp2-1 worker died \(.*; restarted its group$"):
+            run_pipeline(own, job, (0, 3, 4, 6), 6, 2)
+        assert own.workers["pp2-1"][0].pid != killed.pid
+        assert run_pipeline(own, job, (0, 3, 4, 6), 6, 2).sends(0) == ("aux_hidden_states_0", "aux_hidden_states_1")
+    finally:
+        own.close()
+
+
+@pytest.mark.timeout(240)
 def test_decoder_shipped_without_aux_support_fails_pp1(pool: WorkerPool) -> None:
     """gemma.py as vLLM ships it returns no aux states: the check fails instead of passing vacuously."""
     row = _row(_job("gemma", "GemmaForCausalLM", None))

@@ -64,8 +64,9 @@ ARCH_FIXES: dict[str, tuple[dict[str, Any], str]] = {
                               "num_key_value_heads": 4, "first_k_dense_replace": 1},
                              "remote-code config: latent-attention ranks and MoE sizes"),
     "SolarForCausalLM": ({"bskcn_1": [1], "bskcn_2": [4], "bskcn_3": [2], "bskcn_4": [5], "bskcn_tv": [0.9, 0.8]},
-                         "remote-code config: skip connections, each pair inside one PP=2 stage (a pair across stages "
-                         "reads a clone the previous stage never sends)"),
+                         "remote-code config: skip connections, each pair inside one stage at PP=2 and at the zoo's "
+                         "PP=3 partition (a pair across stages reads a clone the previous stage never sends); no pair "
+                         "mixes in at an aux id the zoo checks"),
     "K2HorizonForCausalLM": ({**_MOE, "decoder_sparse_step": 1, "mlp_only_layers": [0], "mova_num_experts": 0,
                               "rope_head_dim": 8, "query_key_norm": True,
                               "layernorm_num_groups": 2, "router_score_func": "softmax", "router_scaling_factor": 1.0,

@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pipespec.errors import one_line
+from pipespec.errors import PipespecError, one_line
 
 __all__ = ["PRELOAD", "REQUEST_TIMEOUT_S", "START_TIMEOUT_S", "WORKER_MEMORY_BYTES", "WorkerPool", "serve"]
 
@@ -52,22 +52,19 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """stdout and stderr on /dev/null while inside: what the fork server (and its vLLM import) would print
-    goes nowhere instead of into this process's output (``--json`` prints on stdout)."""
+def _stdout_on_stderr() -> Iterator[None]:
+    """This process's stdout pointed at its stderr while inside: the fork server (launched by the first
+    start) keeps the descriptors it gets, and what it or its vLLM import prints must not reach stdout
+    (``--json`` prints there); its errors still show."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    saved = [os.dup(1), os.dup(2)]
-    null = os.open(os.devnull, os.O_WRONLY)
+    saved = os.dup(1)
     try:
-        os.dup2(null, 1)
-        os.dup2(null, 2)
+        os.dup2(2, 1)
         yield
     finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in (*saved, null):
-            os.close(fd)
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _names(size: int) -> list[str]:
@@ -96,8 +93,13 @@ class WorkerPool:
             log = os.path.join(self.logs, f"{name}.log")
             open(log, "w").close()  # a restarted worker's log starts empty: its tail is its own
             proc = self.ctx.Process(target=serve, args=(child, size, rank, init, log), daemon=True, name=f"zoo-{name}")
-            with _quiet():  # the first start launches the fork server, which keeps the descriptors it gets
-                proc.start()
+            try:
+                with _stdout_on_stderr():  # the first start launches the fork server
+                    proc.start()
+            except EOFError:
+                raise PipespecError(
+                    "the vLLM zoo's fork server exited before forking a worker: importing "
+                    f"{', '.join(PRELOAD)} failed in it (its error is above, on stderr)") from None
             child.close()
             self.workers[name] = (proc, parent)
 
