@@ -17,7 +17,9 @@ name, every attention output zeroed the same way in every build — see ``_silen
   the last rank returns its aux list.
 
 Usage: tf_backend_stages.py --families llama,qwen2,gemma2 --pp 2,3 --ids 0,2,3,4,6 --out FILE.json
-Writes per family: ``num_layers``, the PP=1 errors, and per PP size and rank: the keys sent (in order),
+It also records vLLM's own backend class on the same models, the bugs the subclass exists for: what its
+``set_aux_hidden_state_layers`` says to ids with 0 (PP = 1), and what its first rank does with the other
+ids (PP >= 2: the keys it sends, or its error). Writes per family: ``num_layers``, the PP=1 errors, ``vllm_own``, and per PP size and rank: the keys sent (in order),
 the keys of its reserved receive buffer, each sent aux tensor's max abs error against the reference at
 its id, and on the last rank the error of each returned aux state. The test compares keys with
 ``plan_layout`` and errors with ``ATOL``. Every wait has a timeout; every process is joined or killed.
@@ -115,12 +117,16 @@ def _family_on_rank(family: str, model_dir: str, ids: tuple[int, ...]) -> dict[s
         _prepare(tested.model, ids)
         got = aux_of(_forward(tested), f"{family} at PP=1")
         return {"num_layers": n, "reference": {i: _np(t[0]) for i, t in stream.items()},
-                "aux": [_np(t) for t in got], "class": f"{backend.__module__}:{backend.__name__}"}
+                "aux": [_np(t) for t in got], "class": f"{backend.__module__}:{backend.__name__}",
+                "vllm_own": _vllm_own_set(ref.model, ids)}
+    result: dict[str, Any] = {}
+    if pp.is_first_rank:  # vLLM's own class, ids without 0: what its non-last rank does
+        result["vllm_own_first_rank"] = _vllm_own_first_rank(backend, model_dir, tuple(i for i in ids if i > 0))
     built = _build(adapted_class(backend), model_dir)
     model = built.model
     relay = _prepare(model, ids)
     buffer = model.make_empty_intermediate_tensors(batch_size=NUM_TOKENS, dtype=torch.float32, device=torch.device("cpu"))
-    result: dict[str, Any] = {"receive_buffer": list(buffer.tensors)}
+    result["receive_buffer"] = list(buffer.tensors)
     received = None
     if not pp.is_first_rank:
         received, _ = _into_buffers(model, pp.recv_tensor_dict(), pp.rank_in_group)
@@ -135,6 +141,27 @@ def _family_on_rank(family: str, model_dir: str, ids: tuple[int, ...]) -> dict[s
     result["sends"] = list(sent.tensors)
     result["tensors"] = {k: _np(v) for k, v in sent.tensors.items() if k != "hidden_states"}
     return result
+
+
+def _vllm_own_set(model: Any, ids: tuple[int, ...]) -> str:
+    """What vLLM's own backend class says to ``set_aux_hidden_state_layers(ids)`` ("ok" or the error)."""
+    try:
+        model.set_aux_hidden_state_layers(ids)
+    except Exception as exc:  # noqa: BLE001 - reported as it is: the bug the subclass exists for
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def _vllm_own_first_rank(backend: type, model_dir: str, ids: tuple[int, ...]) -> str:
+    """vLLM's own backend class on the first of several ranks: the keys it sends, or its error."""
+    from pipespec.integrations.vllm.harness import _forward
+
+    own = _build(backend, model_dir)
+    try:
+        own.model.set_aux_hidden_state_layers(ids)
+        return "sends " + ", ".join(_forward(own).tensors)
+    except Exception as exc:  # noqa: BLE001 - reported as it is: the bug the subclass exists for
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _register_backend_in_process() -> None:
@@ -240,7 +267,7 @@ def main() -> None:
         if base is None:
             continue
         reference = base["reference"]
-        entry: dict[str, Any] = {"class": base["class"], "num_layers": base["num_layers"],
+        entry: dict[str, Any] = {"class": base["class"], "num_layers": base["num_layers"], "vllm_own": base["vllm_own"],
                                  "pp1": [_compare(reference, i, t) for i, t in zip(ids, base["aux"])], "stages": {}}
         sorted_ids = sorted(set(ids))
         for size in sizes[1:]:
@@ -251,6 +278,8 @@ def main() -> None:
                     ranks.append(None)
                     continue
                 row: dict[str, Any] = {"receive_buffer": got["receive_buffer"]}
+                if "vllm_own_first_rank" in got:
+                    row["vllm_own_first_rank"] = got["vllm_own_first_rank"]
                 if "sends" in got:
                     row["sends"] = got["sends"]
                     row["sent_errors"] = {k: _compare(reference, sorted_ids[int(k.rsplit("_", 1)[1])], v)
