@@ -292,15 +292,18 @@ PATCHES = (
         tested=ALL,
         why=(
             "the backend's EAGLE3 path records aux states with transformers' OutputRecorder at "
-            "`_layer_names[id - 1]` (id 0 raises KeyError: -1 at load) and a non-last rank's forward returns "
-            "hidden_states only, with no supports_aux_hidden_states_over_pp on its decoder: no aux state crosses "
-            "a PP boundary. Its decoder is transformers' own model, so there is no source for the codemod to adapt"
+            "`_layer_names[id - 1]` (id 0 raises KeyError: -1 at load), its first rank of a pipeline records "
+            "nothing (the recorders target the layer list's last entry's class, a PPMissingLayer there: IndexError "
+            "at the first forward), a non-last rank's forward returns hidden_states only, and its decoder has no "
+            "supports_aux_hidden_states_over_pp: no aux state crosses a PP boundary. Its decoder is transformers' "
+            "own model, so there is no source for the codemod to adapt"
         ),
         how=(
             "subclassed, not replaced: transformers_backend.Pipespec<Class> (TransformersAuxOverPP before each text "
             "causal-LM class of the backend) overrides set_aux_hidden_state_layers (ids per plan_layout; layer outputs "
             "recorded by OutputRecorder at the private _layer_names, id 0 through a parameter-free input tap) and "
-            "forward (Base.forward's input handling, the same in 0.32-0.34, then pack / collect per stage); it sets "
+            "forward (Base.forward's input handling through compat, the same in 0.32-0.34, then pack / collect per "
+            "stage); it sets "
             "supports_aux_hidden_states_over_pp, AUX_HIDDEN_STATE_KEY and _aux_slot_base_cached on the wrapped "
             "transformers model, where the V2 runner's helpers read them"
         ),
