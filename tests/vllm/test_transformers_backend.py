@@ -5,8 +5,9 @@ Real vLLM (CPU build), real transformers models, real processes:
 * end to end through ``vllm.LLM`` (plugin_scripts/run_tf_backend.py, one subprocess, one engine at a
   time): the demo pair with the draft's aux ids set to [0, 4, 5] (id 0 crashes vLLM's own backend at
   load: ``KeyError: -1``). EAGLE3 at PP=1 with ``model_impl="transformers"`` runs through pipespec's
-  subclass and equals vLLM's native Llama class on the same weights and draft in tokens and in accepted
-  tokens per draft position; plain PP=2 through the subclass equals PP=1 token for token;
+  subclass, compiled (vLLM's default), and equals vLLM's native Llama class (eager) on the same weights and
+  draft in tokens and in accepted tokens per draft position; plain PP=2 through the subclass equals PP=1
+  token for token;
 * per stage (plugin_scripts/tf_backend_stages.py: groups of gloo processes in vLLM's own process groups):
   llama, qwen2 and gemma2 (scaled embedding: id 0 is what enters layer 0) at PP = 1, 2, 3 with ids on
   every stage boundary and id 0. What each rank sends (after vLLM's own relay merge on the middle rank)

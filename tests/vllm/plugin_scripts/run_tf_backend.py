@@ -3,7 +3,8 @@
 1. EAGLE3 at PP=1 on vLLM's native Llama class (``model_impl="vllm"``): greedy outputs and acceptance
    counts per draft position (``llm.get_metrics()``);
 2. the same with ``model_impl="transformers"`` (pipespec's plugin registers its Transformers-backend
-   subclass at engine load): outputs, acceptance, the override vLLM applied;
+   subclass at engine load), compiled (``enforce_eager=False``, vLLM's default): outputs, acceptance, the
+   override vLLM applied;
 3. plain PP=2 with ``model_impl="transformers"`` through the same subclass (registered with
    ``model_class_overrides`` as the plugin registers it): greedy outputs.
 
@@ -40,9 +41,11 @@ def main() -> None:
     from vllm import LLM
 
     result: dict[str, Any] = {}
-    for name, impl in (("native_eagle3_pp1", "vllm"), ("backend_eagle3_pp1", "transformers")):
+    # The backend's run is compiled (vLLM's default; the id-0 tap and the recorders are hooks dynamo traces),
+    # the native class's eager: the two must still agree token for token in float32.
+    for name, impl, eager in (("native_eagle3_pp1", "vllm", True), ("backend_eagle3_pp1", "transformers", False)):
         start = time.time()
-        llm = LLM(**common, model_impl=impl, enforce_eager=True, disable_log_stats=False,
+        llm = LLM(**common, model_impl=impl, enforce_eager=eager, disable_log_stats=False,
                   speculative_config=speculative)
         result[name] = {"outputs": _generate(llm, prompts, args.max_tokens), **_metrics(llm),
                         "overrides": dict(llm.llm_engine.vllm_config.model_config.model_class_overrides),
