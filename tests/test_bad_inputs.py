@@ -296,6 +296,12 @@ CASES = [
          r"`MiMoForCausalLM` does not support eagle3 with pipeline parallelism: MiMoModel\.forward"),
     Case("cli-bad-class-path", lambda env: ["verify", "--class", "transformers", "--num-layers", "4", "--pp", "1"], 2,
          r"--class 'transformers' is not 'package\.module:ClassName'"),
+    Case("cli-model-impl-without-vllm-engine",
+         lambda env: ["verify", "--model-impl", "transformers", "--architecture", "LlamaForCausalLM", "--num-layers", "4",
+                      "--pp", "1"], 2, r"--model-impl transformers is for --engine vllm"),
+    Case("cli-bad-model-impl", lambda env: ["verify", "--engine", "vllm", "--model-impl", "tf", "--architecture",
+                                            "LlamaForCausalLM", "--pp", "1"], 2,
+         r"--model-impl 'tf' is not one of vllm, transformers"),
     # --- generate flags (refused before any stage process starts) ---
     Case("gen-timeout-not-finite", lambda env: generate(env.ck["target"], env.ck["draft_b"], "--timeout", "nan"), 2,
          r"--timeout must be a finite number of seconds > 0, got nan"),
