@@ -16,7 +16,6 @@ from pathlib import Path
 import libcst as cst
 from libcst.codemod import CodemodContext, TransformFailure, TransformSkip, TransformSuccess, transform_module
 
-from pipespec import __version__
 from pipespec.codegen.decide import (
     MARKER,
     detect_dialect,
@@ -170,7 +169,9 @@ def stamp_header(code: str, entry: tuple[str, str]) -> str:
         rest = rest[i + 1 if i < len(rest) and not rest[i].strip() else i:]
     name = entry[0].split(" ", 1)[0]
     entries = [e for e in entries if e[0].split(" ", 1)[0] != name] + [entry]
-    header = [f"{HEADER_FIRST} {__version__}; do not edit the adapted classes by hand, regenerate them.\n"]
+    # no pipespec version: a release that does not change the output leaves generated files as they are
+    # (each class's marker names its codemod and that codemod's version)
+    header = [f"{HEADER_FIRST}; do not edit the adapted classes by hand, regenerate them.\n"]
     for adapted, again in entries:
         header += [f"{_HEADER_ENTRY[0]}{adapted}\n", f"{_HEADER_ENTRY[1]}{again}\n"]
     return "".join(head + header + ["\n"] + rest)
