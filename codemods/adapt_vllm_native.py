@@ -51,6 +51,7 @@ from pipespec.codemods.vllm_native_names import (
     nn_module_type,
 )
 from pipespec.codemods.vllm_native_residual import RESIDUAL_RULES
+from pipespec.codemods.vllm_native_runner_surface import decoder_surface, wrapper_surface
 from pipespec.codemods.vllm_native_shape import (
     ClassLookup,
     Decline,
@@ -198,6 +199,7 @@ class _FileEdit:
             raise Decline(f"spec {spec.name} ({spec.source}) says embed.decoder_attr = {spec.embed_decoder_attr!r} "
                           f"but {held[0].cls.name.value} holds {name} as self.{held[0].attr}: fix the spec", held[0].cls)
         module_type = nn_module_type(module_names(self.module))
+        new_dec = decoder_surface(new_dec, held, module_type)  # what vLLM's V2 runner reads where it looks
         edits = []
         for h in held:
             bases_ready = any(base_name(b) in self.eagle3_ready for b in bases_of(h.cls))
@@ -208,6 +210,7 @@ class _FileEdit:
             self.eagle3_ready.add(h.cls.name.value)
             if h.wrapper is not None:
                 wrapped = share_embed(replace.get(id(h.wrapper), h.wrapper), h.wrapper_attr, new_dec, module_type)
+                wrapped = wrapper_surface(wrapped, h.wrapper_attr)
                 edits.append((h.wrapper, wrapped))
                 replace[id(h.wrapper)] = wrapped
         replace[id(dec)] = new_dec

@@ -1282,3 +1282,137 @@ def test_layers_looped_through_a_local_name_or_a_conditional_expression_are_seen
     (outcome,) = adapt_vllm_module(changed, label=label("0.34.0/muse_spark_amd_model"),
                                    read_module=fixture_reader("0.34.0")).decoders
     assert outcome.status == "declined" and "the layer loop runs over a conditional expression" in outcome.reason
+
+
+# ------------------------------------------------------------------- what vLLM's V2 runner reaches
+RELEASES = ("0.32.0", "0.33.0", "0.34.0")
+
+
+def _release_file(release: str, name: str) -> tuple[str, Any] | None:
+    """A model file of a released vLLM (sources.source_tree, read as text) and its adaptation; None where
+    the release has no such file (0.34 serves stablelm through its Transformers backend)."""
+    from pipespec.codemods.vllm_native_modules import ModuleSources
+    from pipespec.integrations.vllm.sources import source_tree
+
+    path = source_tree(release) / "model_executor" / "models" / f"{name}.py"
+    if not path.is_file():
+        return None
+    source = path.read_text(encoding="utf-8")
+    return source, adapt_vllm_module(source, label=f"vllm/model_executor/models/{name}.py", read_module=ModuleSources(path))
+
+
+def _class(code: str, name: str) -> ast.ClassDef:
+    return next(n for n in ast.parse(code).body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def _property_returns(cls: ast.ClassDef) -> dict[str, str]:
+    """Each ``@property`` of ``cls`` whose body is one return: name -> the returned expression."""
+    return {f.name: ast.unparse(f.body[-1].value) for f in cls.body  # type: ignore[attr-defined]
+            if isinstance(f, ast.FunctionDef) and any(ast.unparse(d) == "property" for d in f.decorator_list)
+            and isinstance(f.body[-1], ast.Return)}
+
+
+def _checked_output(release: str, name: str) -> str | None:
+    """The adapted file of ``name`` in ``release``: every decoder adapted, no pipespec import, a fixed point."""
+    found = _release_file(release, name)
+    if found is None:
+        return None
+    _, result = found
+    assert [d.status for d in result.decoders] == ["adapted"] * len(result.decoders)
+    code = result.code
+    assert "import pipespec" not in code and "from pipespec" not in code
+    assert adapt_vllm_module(code, label=f"vllm/model_executor/models/{name}.py").code == code
+    return code
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_surface_given_is_what_the_v2_runner_reads_in_each_release(release: str) -> None:
+    """vLLM's runner helpers (eagle3_utils.py) read exactly RUNNER_READS on `_inner_decoder(model)`, and
+    `_inner_decoder` is the same lookup in 0.32, 0.33 and 0.34 (get_language_model(), else language_model,
+    else the model; then its `.model`): what vllm_native_runner_surface gives, and where."""
+    from pipespec.codemods.vllm_native_runner_surface import RUNNER_READS
+    from pipespec.integrations.vllm.sources import source_tree
+
+    tree = ast.parse((source_tree(release) / "v1" / "worker" / "gpu" / "spec_decode" / "eagle" / "eagle3_utils.py")
+                     .read_text(encoding="utf-8"))
+    funcs = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    read: set[str] = set()
+    for name in ("verify_supports_aux_hidden_states_over_pp", "aux_hidden_state_relay_keys",
+                 "reserve_aux_intermediate_tensor_slots"):
+        for node in ast.walk(funcs[name]):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "inner":
+                read.add(node.attr)
+            if (isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr"
+                    and ast.unparse(node.args[0]) == "inner" and isinstance(node.args[1], ast.Constant)):
+                read.add(str(node.args[1].value))
+    assert read == set(RUNNER_READS)
+    lookup = ast.unparse(funcs["_inner_decoder"])
+    assert "model.get_language_model()" in lookup and "model.language_model" in lookup
+    assert "return getattr(parent_ref, 'model', None)" in lookup
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_wrapper_between_the_causal_lm_and_the_decoder_carries_the_runner_surface(release: str) -> None:
+    """OPT: OPTForCausalLM.model (what the runner reads) is OPTModel, a wrapper around the adapted
+    OPTDecoder. The wrapper gets the flag on its class and the slot base, key prefix and config as properties
+    reading the decoder's; the decoder itself is unchanged by it (it already keeps its config)."""
+    code = _checked_output(release, "opt")
+    assert code is not None
+    wrapper = _class(code, "OPTModel")
+    flags = [ast.unparse(s) for s in wrapper.body if isinstance(s, ast.Assign)]
+    assert "supports_aux_hidden_states_over_pp = True" in flags
+    assert _property_returns(wrapper) == {"embed_tokens": "self.decoder.embed_tokens",
+                                          "AUX_HIDDEN_STATE_KEY": "self.decoder.AUX_HIDDEN_STATE_KEY",
+                                          "_aux_slot_base_cached": "self.decoder._aux_slot_base_cached",
+                                          "config": "self.decoder.config"}
+    decoder_init = ast.unparse(next(f for f in _class(code, "OPTDecoder").body
+                                    if isinstance(f, ast.FunctionDef) and f.name == "__init__"))
+    assert decoder_init.count("self.config = config") == 1
+    assert "def model(" not in ast.unparse(_class(code, "OPTDecoder"))
+
+
+@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize(("name", "decoder"), [("dbrx", "DbrxModel"), ("stablelm", "StableLMEpochModel")])
+def test_a_decoder_that_drops_its_config_keeps_it_for_the_receive_buffers(release: str, name: str, decoder: str) -> None:
+    """DbrxModel and StableLMEpochModel read their config into a local and keep only parts of it, but
+    reserve_aux_intermediate_tensor_slots reads `config.hidden_size` on the decoder: the adapted __init__
+    keeps the config right after the line that binds it."""
+    code = _checked_output(release, name)
+    if code is None:
+        pytest.skip(f"vLLM {release} has no model_executor/models/{name}.py")
+    init = next(f for f in _class(code, decoder).body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    lines = [ast.unparse(s) for s in init.body]
+    at = lines.index("self.config = config")
+    assert lines[at - 1] == "config = vllm_config.model_config.hf_config"
+    assert lines.count("self.config = config") == 1
+
+
+def test_config_is_kept_only_where_the_class_and_its_bases_set_none() -> None:
+    """A decoder taking `config` as a parameter keeps it after super().__init__(); one whose base is another
+    model class (which may keep its own) and one that already keeps it are left as they are."""
+    param = (HEAD + _LOOP + TAIL).replace('def __init__(self, *, vllm_config, prefix=""):\n            super().__init__()\n'
+                                          '            self.start_layer',
+                                          'def __init__(self, config, prefix=""):\n            super().__init__()\n'
+                                          '            self.start_layer', 1)
+    init = adapt(param).code.split("class ToyModel", 1)[1].split("    def __init__", 1)[1].split("class ToyLayer", 1)[0]
+    assert "super().__init__()\n        self.config = config  # vLLM's V2 runner reads" in init
+    based = param.replace("class ToyModel(nn.Module):", "class ToyModel(BaseModel):")
+    assert "self.config = config" not in adapt(based).code
+    kept = param.replace("super().__init__()\n            self.start_layer",
+                         "super().__init__()\n            self.config = config\n            self.start_layer", 1)
+    assert adapt(kept).code.count("self.config = config") == 1
+
+
+@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize(("name", "decoder"), [("molmo", "MolmoModel"), ("molmo2", "Molmo2TextModel"),
+                                               ("moondream3", "Moondream3TextModel")])
+def test_a_decoder_that_is_the_multimodal_language_model_is_its_own_model(release: str, name: str, decoder: str) -> None:
+    """Molmo, Molmo2 and Moondream3 build the decoder inside `_mark_language_model` (or return it from their
+    own get_language_model): get_language_model() is the decoder, and the runner's `_inner_decoder` (and the
+    EAGLE loader) read its `.model`. The adapted decoder gets a `model` property returning itself; decoders
+    under a plain causal LM (dbrx, opt) get none."""
+    code = _checked_output(release, name)
+    assert code is not None
+    assert _property_returns(_class(code, decoder))["model"] == "self"
+    dbrx = _checked_output(release, "dbrx")
+    assert dbrx is not None and "model" not in _property_returns(_class(dbrx, "DbrxModel"))

@@ -6,6 +6,7 @@ the harness tests; the CLI tests run the installed ``pipespec`` in subprocesses.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -129,6 +130,41 @@ def test_pp3_each_rank_matches_the_plan_and_the_last_rank_the_pp1_reference(pool
     assert len(run.aux) == len(ids)
     worst, err = max_error(run, pp1["reference"])
     assert err <= 1e-5, (worst, err)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("rel", "surface"), [
+    # OPTModel wraps the adapted OPTDecoder: the flag on the wrapper's class
+    ("model_executor/models/opt.py", "    supports_aux_hidden_states_over_pp = True  # vLLM's V2 runner reads"),
+    # DbrxModel drops its config: kept for reserve_aux_intermediate_tensor_slots
+    ("model_executor/models/dbrx.py", "        self.config = config  # vLLM's V2 runner reads"),
+    # get_language_model() is the decoder itself: its .model
+    ("model_executor/models/moondream3.py", "    @property\n    def model(self) -> nn.Module:\n        # The language"),
+])
+def test_v2_runner_reaches_a_wrapped_configless_or_language_model_decoder(pool: WorkerPool, rel: str, surface: str) -> None:
+    """The adapted OPT, Dbrx and Moondream3 at PP=2 and PP=3 driven by vLLM's own V2-runner steps: every rank
+    matches plan_layout and the last rank the PP=1 residual stream, ids on each boundary and 0. The same file
+    without the runner surface vllm_native_runner_surface gave it fails at PP=2, where vLLM reads it."""
+    job = _adapted(rel)
+    assert job.code is not None and surface in job.code
+    kind, pp1 = pool.ask("pp1", ("pp1", (job,)))
+    assert kind == "ok", pp1
+    n = pp1["num_layers"]
+    for pp, partition in ((2, (n // 2, n - n // 2)), (3, pp3_partition(n))):
+        ids = pp3_ids(n, partition)
+        run = run_pipeline(pool, job, ids, n, pp, partition)
+        assert [run.sends(s.rank) for s in plan_layout(n, pp, ids, partition).stages[:-1]] == \
+            [s.sends for s in plan_layout(n, pp, ids, partition).stages[:-1]]
+        worst, err = max_error(run, pp1["reference"])
+        assert err <= 1e-5, (pp, worst, err)
+    start = job.code.index(surface)
+    cut = job.code.index("\n\n", start) if "def model" in surface else job.code.index("\n", start)
+    without = dataclasses.replace(job, code=job.code[:start] + job.code[cut + 1:])
+    partition = (n // 2, n - n // 2)
+    with pytest.raises(PipelineError) as refused:
+        run_pipeline(pool, without, pp3_ids(n, partition), n, 2, partition)
+    assert ("does not support eagle3 with pipeline parallelism" in str(refused.value)
+            or "has no attribute 'config'" in str(refused.value)), refused.value
 
 
 def _edited_llama(pattern: str, replacement: str) -> Job:
