@@ -50,7 +50,7 @@ from pipespec.codemods.vllm_native_names import (
     module_names,
     nn_module_type,
 )
-from pipespec.codemods.vllm_native_residual import RESIDUAL_RULES
+from pipespec.codemods.vllm_native_residual import RESIDUAL_RULES, zero_is_none
 from pipespec.codemods.vllm_native_runner_surface import decoder_surface, wrapper_surface
 from pipespec.codemods.vllm_native_shape import (
     ClassLookup,
@@ -190,6 +190,8 @@ class _FileEdit:
             elif not reads:
                 plan = replace_plan(plan, stale_residual=True)
         return plan
+            if reads is not True and zero_is_none(dec, plan, self.lookup):
+                plan = replace_plan(plan, zero_none_residual=True)
 
     def _adapt(self, dec: cst.ClassDef, held: list[Holder]) -> None:
         spec, replace, name = self.spec, self.replace, dec.name.value

@@ -31,6 +31,7 @@ class RewriteForward(cst.CSTTransformer):
         self.by_loop = {id(p.loop.node): p for p in plans}
         self.remove = {id(n) for p in edits for n in p.remove}
         self.nonlast = {id(r) for p in edits for r in p.nonlast}
+        self.sent_by = {id(r): p for p in plans for r in p.nonlast}
         self.last = {id(r) for p in edits for r in p.last}
         self.own_kept = all(p.own_capture for p in plans) if plans else True
         used = {self.aux, self.hidden}.union(*(names_in(p.loop.node) for p in plans))
@@ -62,6 +63,26 @@ class RewriteForward(cst.CSTTransformer):
         layer, stale = plan.stale_for
         classes = stale[0] if len(stale) == 1 else f"({', '.join(stale)})"
         return f"None if isinstance({layer}, {classes}) else {plan.residual}"
+
+    def _zeroed_residual(self, plan: ForwardPlan) -> str | None:
+        """What the non-last hand-off sends as ``"residual"`` where a layer returns None for it (MiniCPM:
+        ``return hidden_states, None``; Molmo's norm-after layers: ``residual = None``) and vLLM's runners,
+        which copy every received value into a tensor buffer, cannot take None. Zeros stand in only where
+        the next stage's first layer never reads the residual it is given (it rebinds it first), so it
+        treats them exactly as None (``plan.zero_none_residual``, vllm_native_residual.zero_is_none): every
+        layer class rebinds it, or, where the classes disagree, the stack is one class chosen once and the
+        layer that ran last is one that rebinds it. None where that does not hold, or the file does not
+        import torch: the model's own hand-off is kept."""
+        r, h = plan.residual, plan.hidden
+        if r is None or not self.annotate or not plan.zero_none_residual:
+            return None
+        if plan.stale_residual:
+            return f"torch.zeros_like({h}) if {r} is None else {r}"
+        if plan.stale_for is not None:
+            layer, stale = plan.stale_for
+            classes = stale[0] if len(stale) == 1 else f"({', '.join(stale)})"
+            return f"torch.zeros_like({h}) if {r} is None and isinstance({layer}, {classes}) else {r}"
+        return None
 
     def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode):  # type: ignore[no-untyped-def]
         if id(original_node) in self.remove:  # a placeholder that leave_IndentedBlock drops
@@ -225,6 +246,13 @@ class RewriteForward(cst.CSTTransformer):
             merged = cst.parse_expression(f"{{**{call.args[0].value.value}, **{code_of(pack)}}}")
             return updated_node.with_changes(value=call.with_changes(args=[call.args[0].with_changes(value=merged)]))
         table = cst.ensure_type(call.args[0].value, cst.Dict)
+        plan = self.sent_by.get(id(original_node))
+        zeroed = None if plan is None else self._zeroed_residual(plan)
+        if zeroed is not None and plan is not None:
+            table = table.with_changes(elements=[
+                e.with_changes(value=cst.parse_expression(zeroed))
+                if isinstance(e, cst.DictElement) and m.matches(e.value, m.Name(plan.residual)) else e
+                for e in table.elements])
         elements = list(table.elements)
         last = elements[-1]
         sep = (elements[-2].comma if len(elements) > 1 and isinstance(elements[-2].comma, cst.Comma)
@@ -236,10 +264,14 @@ class RewriteForward(cst.CSTTransformer):
         table = table.with_changes(elements=[*elements, new])
         original = cst.ensure_type(call.args[0].value, cst.Dict)
         flat = f"return {code_of_exact(call.func)}({code_of_exact(original)[:-1]}, **{code_of(pack)}}})"
-        if "\n" not in code_of_exact(original) and len(flat) + 12 > LINE:
+        if "\n" not in code_of_exact(original) and len(flat) + 12 + len(zeroed or "") > LINE:
             lines = []  # vLLM's multi-line form for a dict that no longer fits on one line
             for el in elements + [new]:
-                if isinstance(el, cst.DictElement):
+                pad = " " * (4 + 4 * self.blocks + 8)  # where vLLM's format puts the dict's entries
+                one = f"{pad}{code_of_exact(el.key)}: {code_of_exact(el.value)}," if isinstance(el, cst.DictElement) else ""
+                if isinstance(el, cst.DictElement) and isinstance(el.value, cst.IfExp) and len(one) > LINE:
+                    lines.append(_split_conditional(code_of_exact(el.key), el.value, len(pad)))
+                elif isinstance(el, cst.DictElement):
                     lines.append(f"        {code_of_exact(el.key)}: {code_of_exact(el.value)},\n")
                 else:
                     lines.append(f"        **{code_of_exact(el.value)},\n")
@@ -263,6 +295,17 @@ class RewriteForward(cst.CSTTransformer):
             cst.parse_statement(f"return {value}\n"),
         ]
         return cst.FlattenSentinel(lines)
+
+
+def _split_conditional(key: str, value: cst.IfExp, pad: int) -> str:
+    """``key: body if test else orelse,`` as ruff's format splits it where it does not fit, relative to
+    the multi-line dict's entries (the ``and`` of a test that does not fit either on a line of its own)."""
+    test = [f"if {code_of_exact(value.test)}"]
+    if pad + len(test[0]) > LINE and isinstance(value.test, cst.BooleanOperation):
+        op = code_of_exact(value.test.operator).strip()
+        test = [f"if {code_of_exact(value.test.left)}", f"{op} {code_of_exact(value.test.right)}"]
+    return "".join(f"        {line}\n" for line in (f"{key}: {code_of_exact(value.body)}", *test,
+                                                    f"else {code_of_exact(value.orelse)},"))
 
 
 class _Rename(cst.CSTTransformer):

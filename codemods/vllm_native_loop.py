@@ -142,6 +142,10 @@ class ForwardPlan:
     #: (layer variable, classes that rebind it): the layer classes disagree (picked by config: Molmo's
     #: norm_after), so each capture after a layer asks which class just ran
     stale_for: tuple[str, tuple[str, ...]] | None = None
+    #: a layer class returns None for the residual (MiniCPM, Molmo's norm-after layers) and the next stage's
+    #: first layer rebinds the one it is given whenever that happens (vllm_native_residual.zero_is_none):
+    #: the non-last hand-off sends zeros in place of None, which vLLM's runners cannot copy
+    zero_none_residual: bool = False
     #: the model's own capture of id ``start_layer`` before the loop (``if self.start_layer in
     #: self.aux_hidden_state_layers: ...``, Cohere2-MoE's clone of the embedding), kept on the first rank
     start_capture: cst.If | None = None

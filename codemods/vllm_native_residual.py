@@ -31,7 +31,7 @@ WAY_OUT = ("; where you know which, state it: `adapter-gen FILE --dialect vllm -
            "it first), or model.residual_rule in a vllm-dialect adapter spec")
 
 
-__all__ = ["RESIDUAL_RULES", "WAY_OUT", "UnknownLayers", "residual_read", "unsent_stale_residual"]
+__all__ = ["RESIDUAL_RULES", "WAY_OUT", "UnknownLayers", "residual_read", "unsent_stale_residual", "zero_is_none"]
 
 
 class UnknownLayers(Decline):
@@ -135,21 +135,7 @@ def _ancestors(cls: cst.ClassDef, by_name: dict[str, cst.ClassDef]) -> set[str]:
 
 
 def _forward_reads(layer: cst.ClassDef, lookup: ClassLookup, slot: int | str, residual: str, call: cst.Call) -> bool:
-    seen = 0
-    while "forward" not in methods(layer):
-        bases = [a.value for a in layer.bases if a.keyword is None and isinstance(a.value, cst.Name)]
-        nxt = None
-        for base in bases:
-            hits = lookup(base.value, layer)
-            nxt = hits[0] if len(hits) == 1 else None
-            if nxt is not None:
-                break
-        seen += 1
-        if nxt is None or seen > 5:
-            raise UnknownLayers(f"{layer.name.value} defines no forward and its bases cannot be found from the source, "
-                                f"so whether a layer reads the residual cannot be told{WAY_OUT}", call)
-        layer, lookup = nxt
-    fn = methods(layer)["forward"]
+    fn = _forward_of(layer, lookup, call)
     p = fn.params
     positional = [x.name.value for x in (*p.posonly_params, *p.params)][1:]  # without self
     if isinstance(slot, int):
@@ -169,6 +155,25 @@ def _forward_reads(layer: cst.ClassDef, lookup: ClassLookup, slot: int | str, re
             return False  # rebound from something else before any read
         return True
     return False  # never used
+
+
+def _forward_of(layer: cst.ClassDef, lookup: ClassLookup, call: cst.CSTNode) -> cst.FunctionDef:
+    """The ``forward`` a layer class runs: its own, or the nearest base's found from the source."""
+    seen = 0
+    while "forward" not in methods(layer):
+        bases = [a.value for a in layer.bases if a.keyword is None and isinstance(a.value, cst.Name)]
+        nxt = None
+        for base in bases:
+            hits = lookup(base.value, layer)
+            nxt = hits[0] if len(hits) == 1 else None
+            if nxt is not None:
+                break
+        seen += 1
+        if nxt is None or seen > 5:
+            raise UnknownLayers(f"{layer.name.value} defines no forward and its bases cannot be found from the source, "
+                                f"so whether a layer reads the residual cannot be told{WAY_OUT}", call)
+        layer, lookup = nxt
+    return methods(layer)["forward"]
 
 
 def _layer_classes(cls: cst.ClassDef, attr: str, lookup: ClassLookup
@@ -331,3 +336,65 @@ def unsent_stale_residual(cls: cst.ClassDef, fn: cst.FunctionDef, loop: cst.For,
     return None
 
 
+
+
+def zero_is_none(cls: cst.ClassDef, plan: ForwardPlan, lookup: ClassLookup) -> bool:
+    """Whether the non-last hand-off may send zeros where the residual is None, exactly: some layer class
+    returns None for it (``return hidden_states, None``; ``residual = None`` then returned) and, whenever
+    that reaches the hand-off, the next stage's first layer rebinds the residual it is given before any
+    read (so it treats zeros exactly as None): every layer class rebinds it (``plan.stale_residual``), or
+    the classes disagree but the stack is one class chosen once (``one_class_per_stack``) and the
+    hand-off asks, of the layer that ran last, whether it is one that rebinds it. The next stage's own
+    captures never read what it is sent (its id ``start_layer`` is captured by this stage)."""
+    if plan.residual is None or not (plan.stale_residual or plan.stale_for is not None):
+        return False
+    if plan.stale_for is not None and not one_class_per_stack(cls, plan.loop.layers_attr):
+        return False
+    found = _layer_classes(cls, plan.loop.layers_attr, lookup)
+    if isinstance(found, cst.CSTNode):
+        return False
+    try:
+        forwards = [_forward_of(layer, layer_lookup, plan.loop.node) for layer, layer_lookup in found]
+    except Decline:
+        return False
+    return any(_returns_none_second(fn) for fn in forwards)
+
+
+def _returns_none_second(fn: cst.FunctionDef) -> bool:
+    """A ``return a, b`` of ``fn`` whose ``b`` is None or a name ``fn`` binds to None."""
+    nones = {cst.ensure_type(cst.ensure_type(a, cst.Assign).targets[0].target, cst.Name).value
+             for a in m.findall(fn, m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Name("None")))}
+    for ret in m.findall(fn, m.Return(value=m.Tuple())):
+        elements = cst.ensure_type(cst.ensure_type(ret, cst.Return).value, cst.Tuple).elements
+        if len(elements) >= 2 and (m.matches(elements[1].value, m.Name("None"))
+                                   or (isinstance(elements[1].value, cst.Name) and elements[1].value.value in nones)):
+            return True
+    return False
+
+
+def one_class_per_stack(cls: cst.ClassDef, attr: str) -> bool:
+    """Whether every layer of ``self.<attr>`` is built by one class object, chosen once: the method of
+    ``cls`` that assigns ``self.<attr>`` calls (besides ``make_layers`` and the like) a single name, bound
+    by exactly one plain assignment among that method's own statements and by no parameter of the builder
+    (Molmo: ``decoder_layer = A if config.norm_after else B``, then ``make_layers(n, lambda prefix:
+    decoder_layer(...))``). Then the class of one stage's last layer is the class of the next stage's first."""
+    target = self_attr(attr)
+    for fn in methods(cls).values():
+        values = [cst.ensure_type(a, cst.Assign).value for a in m.findall(fn, m.Assign())
+                  if any(m.findall(t.target, target) for t in cst.ensure_type(a, cst.Assign).targets)]
+        if not values:
+            continue
+        if len(values) != 1:
+            return False
+        called = {cst.ensure_type(cst.ensure_type(c, cst.Call).func, cst.Name).value
+                  for c in m.findall(values[0], m.Call(func=m.Name()))} - _NOT_LAYERS
+        if len(called) != 1:
+            return False
+        name = next(iter(called))
+        shadowed = {cst.ensure_type(p, cst.Param).name.value for p in m.findall(values[0], m.Param())}
+        body = cst.ensure_type(fn.body, cst.IndentedBlock).body
+        own = [s for s in body if m.matches(s, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(name))])]))]
+        bound = m.findall(fn, m.AssignTarget(m.Name(name)) | m.AnnAssign(target=m.Name(name))
+                          | m.AugAssign(target=m.Name(name)) | m.For(target=m.Name(name)) | m.Param(name=m.Name(name)))
+        return len(own) == 1 and len(bound) == 1 and name not in shadowed
+    return False

@@ -706,6 +706,55 @@ def test_layer_classes_that_disagree_are_told_apart_per_layer() -> None:
         "NormAfterLayer rebind it before reading it" in outcome.reason
 
 
+def test_a_residual_returned_as_none_is_sent_as_zeros_only_where_the_next_layer_rebinds_it() -> None:
+    """MiniCPM's layers `return hidden_states, None` and Molmo's norm-after layers set `residual = None`:
+    vLLM's runners copy every value handed off into a tensor buffer and fail on None. Zeros are sent in its
+    place only where the next stage's first layer rebinds the residual it is given (every class does; or one
+    class chosen once for the stack, asked of the layer that ran last); a stale tensor residual (a layer
+    that returns the one it rebound) and a stack whose class is picked per layer keep the hand-off as it was."""
+    none_layer = POST_NORM_LAYER.replace("return hidden_states, residual", "return hidden_states, None")
+    code = adapt(_toy_with_layer(none_layer)).code
+    assert ('                    "residual": torch.zeros_like(hidden_states)\n'
+            "                    if residual is None\n                    else residual,\n") in code
+    assert adapt_vllm_module(code, label="toy.py").code == code
+    assert "zeros_like" not in adapt(_toy_with_layer(POST_NORM_LAYER)).code  # a tensor is sent: unchanged
+    after = none_layer.replace("class ToyLayer", "class NormAfterLayer").replace(
+        "return hidden_states, None", "residual = None\n            return hidden_states, residual")
+    both = after + LAYERS[LAYERS.index("\n\n    class ToyLayer"):]
+    chosen_once = _toy_with_layer(both).replace(
+        "            self.start_layer, self.end_layer, self.layers = make_layers(",
+        "            layer_cls = NormAfterLayer if self.norm_after else ToyLayer\n"
+        "            self.start_layer, self.end_layer, self.layers = make_layers(").replace(
+        "lambda prefix: ToyLayer(prefix)", "lambda prefix: layer_cls(prefix)")
+    code = adapt(chosen_once).code
+    assert ('                    "residual": torch.zeros_like(hidden_states)\n'
+            "                    if residual is None and isinstance(layer, NormAfterLayer)\n"
+            "                    else residual,\n") in code
+    assert adapt_vllm_module(code, label="toy.py").code == code
+    per_layer = _toy_with_layer(both).replace(
+        "lambda prefix: ToyLayer(prefix)", 'lambda prefix: NormAfterLayer(prefix) if "1" in prefix else ToyLayer(prefix)')
+    result = adapt(per_layer)
+    assert [d.status for d in result.decoders] == ["adapted"]
+    assert "isinstance(layer, NormAfterLayer)" in result.code and "zeros_like" not in result.code
+
+
+@pytest.mark.parametrize("release", ("0.32.0", "0.33.0", "0.34.0"))
+def test_minicpm_and_molmo_send_zeros_for_their_none_residual_in_each_release(release: str) -> None:
+    """The released MiniCPM (every layer rebinds the residual and returns None) and Molmo (the config picks
+    the norm-after layer once for the stack) hand off zeros in place of None; Llama's hand-off is untouched."""
+    from pipespec.integrations.vllm.sources import source_tree
+
+    models = source_tree(release) / "model_executor" / "models"
+    sources = {n: models.joinpath(f"{n}.py").read_text(encoding="utf-8") for n in ("minicpm", "molmo", "llama")}
+    for name, sent in (("minicpm", "torch.zeros_like(hidden_states)\n                    if residual is None\n"),
+                       ("molmo", "if residual is None\n                    and isinstance(layer, MolmoDecoderNormAfterLayer)\n")):
+        code = adapt_vllm_module(sources[name], label=f"{name}.py",
+                                 read_module=lambda dotted: None).code
+        assert sent in code, name
+        assert adapt_vllm_module(code, label=f"{name}.py", read_module=lambda dotted: None).code == code
+    assert "zeros_like" not in adapt_vllm_module(sources["llama"], label="llama.py", read_module=lambda dotted: None).code
+
+
 # ---------------------------------------------------------------------------------- holders
 def test_decoder_built_through_an_init_parameter_default_gets_eagle3_on_its_holder() -> None:
     """InternLM2ForCausalLM builds `self.model = model_type(...)` with `model_type=InternLM2Model`."""

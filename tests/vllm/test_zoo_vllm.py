@@ -107,9 +107,10 @@ def _adapted(rel: str) -> Job:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("rel", ["model_executor/models/llama.py", "model_executor/models/gpt2.py",
-                                 "model_executor/models/mixtral.py"])
+                                 "model_executor/models/mixtral.py", "model_executor/models/minicpm.py"])
 def test_pp3_each_rank_matches_the_plan_and_the_last_rank_the_pp1_reference(pool: WorkerPool, rel: str) -> None:
-    """Llama (a residual), GPT-2 adapted (none) and Mixtral adapted (MoE) over three gloo ranks: every rank's
+    """Llama (a residual), GPT-2 adapted (none), Mixtral adapted (MoE) and MiniCPM adapted (its layers return
+    None for the residual: zeros are handed off) over three gloo ranks: every rank's
     receive slots, vLLM's relay keys, what it packs and what it sends equal plan_layout's stage, and the last
     rank's aux states equal the PP=1 residual stream at ids on both stage boundaries and id 0."""
     job = _job("llama", "LlamaForCausalLM", None) if rel.endswith("llama.py") else _adapted(rel)
@@ -165,6 +166,27 @@ def test_v2_runner_reaches_a_wrapped_configless_or_language_model_decoder(pool: 
         run_pipeline(pool, without, pp3_ids(n, partition), n, 2, partition)
     assert ("does not support eagle3 with pipeline parallelism" in str(refused.value)
             or "has no attribute 'config'" in str(refused.value)), refused.value
+
+
+@pytest.mark.timeout(300)
+def test_minicpm_none_residual_passes_pp2_only_as_zeros(pool: WorkerPool) -> None:
+    """MiniCPM's layers return None for the residual; vLLM's runner copies every handed-off value into a
+    tensor buffer. The adapted file sends zeros in its place (its layers rebind the residual first) and
+    matches PP=1 at PP=2; the same file sending the layers' None fails on the receiving rank."""
+    job = _adapted("model_executor/models/minicpm.py")
+    zeros = "torch.zeros_like(hidden_states)\n                    if residual is None\n                    else residual"
+    assert job.code is not None and zeros in job.code
+    kind, pp1 = pool.ask("pp1", ("pp1", (job,)))
+    assert kind == "ok", pp1
+    n = pp1["num_layers"]
+    partition = (n // 2, n - n // 2)
+    ids = pp3_ids(n, partition)
+    worst, err = max_error(run_pipeline(pool, job, ids, n, 2, partition), pp1["reference"])
+    assert err <= 1e-5, (worst, err)
+    without = dataclasses.replace(job, code=job.code.replace(zeros, "residual"))
+    with pytest.raises(PipelineError) as refused:
+        run_pipeline(pool, without, ids, n, 2, partition)
+    assert "NoneType" in str(refused.value), refused.value
 
 
 def _edited_llama(pattern: str, replacement: str) -> Job:
