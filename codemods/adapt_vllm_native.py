@@ -189,9 +189,9 @@ class _FileEdit:
                 plan = replace_plan(plan, stale_for=reads)
             elif not reads:
                 plan = replace_plan(plan, stale_residual=True)
-        return plan
             if reads is not True and zero_is_none(dec, plan, self.lookup):
                 plan = replace_plan(plan, zero_none_residual=True)
+        return plan
 
     def _adapt(self, dec: cst.ClassDef, held: list[Holder]) -> None:
         spec, replace, name = self.spec, self.replace, dec.name.value
