@@ -25,12 +25,11 @@ executes the code it reads.
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import replace as replace_plan
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from pipespec.codemods.vllm_native_branches import Branches, forward_plans, with_plans
 from pipespec.codemods.vllm_native_decoder import adapt_decoder
@@ -38,6 +37,7 @@ from pipespec.codemods.vllm_native_helpers import Helpers
 from pipespec.codemods.vllm_native_holders import Holder, adapt_holder, find_holders, share_embed
 from pipespec.codemods.vllm_native_imports import add_imports, stamp
 from pipespec.codemods.vllm_native_index import ClassIndex, ModuleReader, default_reader
+from pipespec.codemods.vllm_native_lines import LineIndex
 from pipespec.codemods.vllm_native_modules import ModuleSources
 from pipespec.codemods.vllm_native_names import (
     EAGLE3,
@@ -117,11 +117,7 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
         module = cst.parse_module(code)
     except cst.ParserSyntaxError as exc:
         raise UsageError(f"{label}:{exc.raw_line}: cannot parse this source: {exc.message}; adapter-gen reads valid Python only") from None
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    positions = wrapper.resolve(PositionProvider)
-
-    def line_of(node: cst.CSTNode) -> int:
-        return positions[node].start.line
+    line_of = LineIndex(module, code)  # positions resolved per decoder class, where a line is asked
 
     top = [s for s in module.body if isinstance(s, cst.ClassDef)]
     decoders = [c for c in top if is_pp_decoder(c)]
@@ -154,7 +150,7 @@ class _FileEdit:
     header lists; ``decoder`` adapts one decoder and its holders or records why not."""
 
     def __init__(self, module: cst.Module, top: list[cst.ClassDef], spec: AdapterSpec | None, label: str,
-                 line_of: Callable[[cst.CSTNode], int], lookup: ClassLookup, rule: str | None = None) -> None:
+                 line_of: LineIndex, lookup: ClassLookup, rule: str | None = None) -> None:
         self.module, self.top, self.spec, self.label, self.line_of, self.lookup = module, top, spec, label, line_of, lookup
         self.rule = rule
         self.replace: dict[int, cst.ClassDef] = {}
@@ -166,6 +162,7 @@ class _FileEdit:
         name = dec.name.value
         causal = tuple(h.cls.name.value for h in held)
         attr = held[0].attr if held else None
+        self.line_of.near(dec)
         try:
             status, reason = judge(dec, self.lookup)
             if status == "adapted":

@@ -19,6 +19,7 @@ Pure libcst over source text: must not import vllm, torch, or the codemod module
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,19 +71,30 @@ def is_docstring(stmt: cst.CSTNode) -> bool:
     return m.matches(stmt, _DOCSTRING)
 
 
-class _Names(cst.CSTVisitor):
-    def __init__(self) -> None:
-        self.names: set[str] = set()
+_CHILD_FIELDS: dict[type, tuple[str, ...]] = {}
 
-    def visit_Name(self, node: cst.Name) -> None:
-        self.names.add(node.value)
+
+def _child_fields(kind: type) -> tuple[str, ...]:
+    fields = _CHILD_FIELDS.get(kind)
+    if fields is None:
+        fields = _CHILD_FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind))
+    return fields
 
 
 def names_in(node: cst.CSTNode) -> set[str]:
-    """Every identifier used in a subtree."""
-    visitor = _Names()
-    node.visit(visitor)
-    return visitor.names
+    """Every identifier used in a subtree. A plain walk over the nodes' fields (the children a libcst
+    visitor would visit), without the visitor's rebuild of every node on the way back up."""
+    names: set[str] = set()
+    stack: list[object] = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, cst.Name):
+            names.add(item.value)
+        elif isinstance(item, cst.CSTNode):
+            stack.extend(getattr(item, f) for f in _child_fields(type(item)))
+        elif isinstance(item, (tuple, list)):
+            stack.extend(item)
+    return names
 
 
 def fresh_name(base: str, used: set[str]) -> str:

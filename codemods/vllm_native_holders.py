@@ -29,7 +29,8 @@ def find_holders(top: list[cst.ClassDef], decoder: str) -> list[Holder]:
     methods), or into ``self.<attr>.<inner>`` through one plain wrapper class of the file whose forward
     only returns ``self.<inner>(...)`` (OPTForCausalLM.model -> OPTModel.decoder -> OPTDecoder)."""
     out = []
-    mentions = [c for c in top if c.name.value != decoder and decoder in names_in(c)]  # one walk per class
+    names = _class_names(top)
+    mentions = [c for c in top if c.name.value != decoder and decoder in names[id(c)]]
     wrappers = [(w, inner[0]) for w in mentions if not is_generative(w)
                 for inner in [built_attrs(w, decoder)] if inner and forwards_to(w, inner[0])]
     for cls in top:
@@ -50,6 +51,18 @@ def find_holders(top: list[cst.ClassDef], decoder: str) -> list[Holder]:
     return out + multimodal_holders(top, out)
 
 
+_NAMES_OF: list[tuple[tuple[cst.ClassDef, ...], dict[int, set[str]]]] = []  # the last file's classes and their names
+
+
+def _class_names(top: list[cst.ClassDef]) -> dict[int, set[str]]:
+    """The identifiers used in each class (by node id), one walk per class per file: a file's decoders
+    and its multimodal classes all ask about the same classes."""
+    key = tuple(top)
+    if not _NAMES_OF or len(_NAMES_OF[0][0]) != len(key) or any(a is not b for a, b in zip(_NAMES_OF[0][0], key)):
+        _NAMES_OF[:] = [(key, {id(c): names_in(c) for c in top})]
+    return _NAMES_OF[0][1]
+
+
 def multimodal_holders(top: list[cst.ClassDef], direct: list[Holder]) -> list[Holder]:
     """Multimodal classes of the file that build a causal LM holding the decoder as their language model
     (MossAudioModel.language_model = MossQwen3ForCausalLM(...)): the class vLLM's registry builds. vLLM's
@@ -61,7 +74,7 @@ def multimodal_holders(top: list[cst.ClassDef], direct: list[Holder]) -> list[Ho
         if cls.name.value in held or any(cls is h.cls for h in direct) or not is_multimodal(cls):
             continue
         for name, inner in held.items():
-            if name in names_in(cls) and "language_model" in built_attrs(cls, name):
+            if name in _class_names(top)[id(cls)] and "language_model" in built_attrs(cls, name):
                 out.append(Holder(cls, f"language_model.{inner.attr}", multimodal=True))
                 break
     return out

@@ -79,7 +79,8 @@ def _add_to_existing(module: cst.Module, sub: str, name: str) -> cst.Module | No
                 names=[a.with_changes(comma=cst.Comma(whitespace_after=cst.ParenthesizedWhitespace(
                     indent=True, last_line=cst.SimpleWhitespace("    " if i < len(aliases) - 1 else ""))))
                        for i, a in enumerate(aliases)])
-        return module.deep_replace(stmt, stmt.with_changes(body=[new_imp]))  # type: ignore[return-value]
+        new_stmt = stmt.with_changes(body=[new_imp])  # a top-level line: replace it there, no walk of the tree
+        return module.with_changes(body=[new_stmt if s is stmt else s for s in module.body])
     return None
 
 
