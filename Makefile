@@ -57,11 +57,11 @@ sources: $(STAMP)
 
 test-core: $(STAMP) sources
 	$(BIN)/ruff check sdk codemods tests bench
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests --ignore=tests/vllm
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests --ignore=tests/vllm
 
 # Real vLLM (CPU build) in its own venv: codegen, verifier, zoo and plugin tests.
 test-vllm: $(VSTAMP) sources
-	$(VBIN)/python -m pytest -q -p no:cacheprovider tests/vllm
+	$(VBIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests/vllm
 
 zoo: $(STAMP)
 	$(BIN)/pipespec zoo --write-coverage docs/coverage.md
