@@ -31,7 +31,7 @@ WAY_OUT = ("; where you know which, state it: `adapter-gen FILE --dialect vllm -
            "it first), or model.residual_rule in a vllm-dialect adapter spec")
 
 
-__all__ = ["RESIDUAL_RULES", "WAY_OUT", "UnknownLayers", "residual_read", "unsent_stale_residual", "zero_is_none"]
+__all__ = ["RESIDUAL_RULES", "WAY_OUT", "UnknownLayers", "layer_classes", "residual_read", "unsent_stale_residual", "zero_is_none"]
 
 
 class UnknownLayers(Decline):
@@ -85,7 +85,7 @@ def _residual_read(cls: cst.ClassDef, plan: ForwardPlan, lookup: ClassLookup,
             slot = arg.keyword.value if arg.keyword is not None else i
     if slot is None:  # the layers are not passed the residual: they cannot read it
         return False
-    found = _layer_classes(cls, plan.loop.layers_attr, lookup)
+    found = layer_classes(cls, plan.loop.layers_attr, lookup)
     if isinstance(found, cst.CSTNode):
         built = f"`{code_of(found)}`" if not isinstance(found, cst.Name) else f"{found.value} of {cls.name.value} or a base"
         raise UnknownLayers(f"the layer classes of self.{plan.loop.layers_attr} cannot be found from the source (built by "
@@ -176,7 +176,7 @@ def _forward_of(layer: cst.ClassDef, lookup: ClassLookup, call: cst.CSTNode) -> 
     return methods(layer)["forward"]
 
 
-def _layer_classes(cls: cst.ClassDef, attr: str, lookup: ClassLookup
+def layer_classes(cls: cst.ClassDef, attr: str, lookup: ClassLookup
                    ) -> list[tuple[cst.ClassDef, ClassLookup]] | cst.CSTNode:
     """The classes ``cls.__init__`` builds into ``self.<attr>`` (following an inherited ``__init__``), or
     the node that builds them where they cannot be found."""
@@ -350,7 +350,7 @@ def zero_is_none(cls: cst.ClassDef, plan: ForwardPlan, lookup: ClassLookup) -> b
         return False
     if plan.stale_for is not None and not one_class_per_stack(cls, plan.loop.layers_attr):
         return False
-    found = _layer_classes(cls, plan.loop.layers_attr, lookup)
+    found = layer_classes(cls, plan.loop.layers_attr, lookup)
     if isinstance(found, cst.CSTNode):
         return False
     try:

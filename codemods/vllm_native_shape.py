@@ -55,8 +55,7 @@ from pipespec.codemods.vllm_native_loop import (
     stage_aliases,
     stage_loops,
 )
-from pipespec.codemods.vllm_native_residual import _layer_classes as layer_classes  # H6's lookup, read only
-from pipespec.codemods.vllm_native_residual import residual_read, unsent_stale_residual
+from pipespec.codemods.vllm_native_residual import layer_classes, residual_read, unsent_stale_residual
 
 
 def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int],
