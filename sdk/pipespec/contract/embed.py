@@ -7,12 +7,15 @@ embedding lives on stage 0; the last stage must load it too, and a draft that sh
 
 from __future__ import annotations
 
-from typing import Literal
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Literal
 
 from pipespec.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# torch is imported inside the functions that touch modules: the method set is read by the verifier and
+# the CLI's pure commands (`pipespec verify`), which must not pay torch's import.
 
 METHODS_NEEDING_TARGET_EMBED = frozenset({"eagle", "eagle3", "dflash", "dspark"})
 
@@ -29,6 +32,8 @@ def spec_decode_needs_target_embed(method: str | None, pp_size: int, is_last_sta
 
 
 def _has_weights(embed: nn.Module | None) -> bool:
+    import torch
+
     if embed is None:
         return False
     weight = getattr(embed, "weight", None)
