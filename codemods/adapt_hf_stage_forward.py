@@ -50,12 +50,17 @@ from pipespec.codemods.hf_forward_shape import (
 from pipespec.codemods.hf_layer_loop import LoopShape, loop_control
 from pipespec.codemods.hf_names import assigned_names, names_in
 from pipespec.codemods.scope import FunctionBodyTransformer
+from pipespec.contract.names import (
+    AUX_MIXIN,
+    AUX_MIXIN_MODULE,
+    AUX_OVER_PP_FLAG,
+    GENERATED_BY_ATTR,
+    HAS_RESIDUAL_ATTR,
+)
 from pipespec.contract.spec import AdapterSpec, load_spec
 
 GENERATOR = "adapt_hf_stage_forward"
 GENERATOR_VERSION = 1
-MARKER_ATTR = "pipespec_generated_by"
-SUPPORT_ATTR = "supports_aux_hidden_states_over_pp"
 AUX_VAR = "pipespec_aux_hidden_states"
 OUTPUT_VAR = "pipespec_output"
 #: Decorators that treat the return value as a ModelOutput or document the old signature.
@@ -315,7 +320,7 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
         new_func = self._stage_forward(shape)
         if self.add_imports:
             AddImportsVisitor.add_needed_import(self.context, "pipespec.contract.intermediate", "IntermediateTensors")
-            AddImportsVisitor.add_needed_import(self.context, "pipespec.contract.mixin", "AuxHiddenStatesMixin")
+            AddImportsVisitor.add_needed_import(self.context, AUX_MIXIN_MODULE, AUX_MIXIN)
         return self._adapted_class(original_node, func, new_func, shape)
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
@@ -328,7 +333,7 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
         for stmt in cls.body.body:
             if m.matches(
                 stmt,
-                m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name(MARKER_ATTR))], value=m.SimpleString())]),
+                m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name(GENERATED_BY_ATTR))], value=m.SimpleString())]),
             ):
                 value = stmt.body[0].value  # type: ignore[attr-defined]
                 return value.evaluated_value  # type: ignore[no-any-return]
@@ -341,7 +346,7 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
         body = list(cls.body.body)
         at = 1 if body and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(value=m.SimpleString())])) else 0
         header = [
-            _stmt(f"{SUPPORT_ATTR} = True\n").with_changes(
+            _stmt(f"{AUX_OVER_PP_FLAG} = True\n").with_changes(
                 leading_lines=[
                     *([cst.EmptyLine(indent=False)] if at else []),
                     _comment(
@@ -351,8 +356,8 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
                 ]
             ),
             _stmt(f"pipespec_num_layers_key = {json.dumps(num_key)}\n"),
-            _stmt("pipespec_has_residual = False\n"),
-            _stmt(f"{MARKER_ATTR} = {json.dumps(marker_text(self.source, self.spec))}\n"),
+            _stmt(f"{HAS_RESIDUAL_ATTR} = False\n"),
+            _stmt(f"{GENERATED_BY_ATTR} = {json.dumps(marker_text(self.source, self.spec))}\n"),
         ]
         body = [new_func if s is func else s for s in body]
         following = body[at] if at < len(body) else None
@@ -360,11 +365,11 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
             body[at] = following.with_changes(leading_lines=[cst.EmptyLine(indent=False), *following.leading_lines])
         body[at:at] = header
         bases = list(cls.bases)
-        if not any(m.matches(b.value, m.Name("AuxHiddenStatesMixin")) for b in bases):
+        if not any(m.matches(b.value, m.Name(AUX_MIXIN)) for b in bases):
             if bases:
                 last = bases[-1]
                 bases[-1] = last.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-            bases.append(cst.Arg(value=cst.Name("AuxHiddenStatesMixin")))
+            bases.append(cst.Arg(value=cst.Name(AUX_MIXIN)))
         changes: dict[str, object] = {"body": cls.body.with_changes(body=body), "bases": bases}
         if cls.lpar is cst.MaybeSentinel.DEFAULT or not cls.bases:
             changes["lpar"] = cst.LeftParen()

@@ -63,14 +63,18 @@ from pipespec.codemods.vllm_forward_shape import (
 )
 from pipespec.codemods.vllm_native_captures import sent_stream
 from pipespec.codemods.vllm_native_loop import Decline
+from pipespec.contract.names import (
+    AUX_MIXIN,
+    AUX_MIXIN_MODULE,
+    AUX_OVER_PP_FLAG,
+    GENERATED_BY_ATTR,
+    HAS_RESIDUAL_ATTR,
+)
 from pipespec.contract.spec import AdapterSpec
 
 GENERATOR = "adapt_vllm_forward"
 GENERATOR_VERSION = 1
 ALREADY_ADAPTED = "already adapted"
-MARKER = "supports_aux_hidden_states_over_pp"
-MARKER_ATTR = "pipespec_generated_by"  # same attribute the HF codemod writes: generator, version, source, spec
-MIXIN_MODULE, MIXIN = "pipespec.contract.mixin", "AuxHiddenStatesMixin"
 AUX, REMOTE = "aux_hidden_states", "remote_aux_hidden_states"
 # Attributes the mixin owns as read-only properties: source that assigns them cannot keep doing so.
 MIXIN_PROPERTIES = ("start_layer", "end_layer", "is_first_stage", "is_last_stage", "aux_hidden_state_layers",
@@ -78,7 +82,7 @@ MIXIN_PROPERTIES = ("start_layer", "end_layer", "is_first_stage", "is_last_stage
 RANK_CHECKS = {"is_first_rank": "is_first_stage", "is_last_rank": "is_last_stage"}
 
 _GET_PP_GROUP = m.Call(func=m.Name("get_pp_group"), args=[])
-_MARKER_LINE = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(MARKER))])])
+_MARKER_LINE = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(AUX_OVER_PP_FLAG))])])
 
 
 def marker_text(source: str, spec: AdapterSpec | None) -> str:
@@ -185,7 +189,7 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
         if not self.found:
             classes = [s.name.value for s in original_node.body if isinstance(s, cst.ClassDef)]
             raise SkipFile(f"no top-level class {self.class_name!r}; classes here: {', '.join(classes) or 'none'}")
-        return add_first_party_import(drop_unused_import(updated_node, "get_pp_group"), MIXIN_MODULE, MIXIN)
+        return add_first_party_import(drop_unused_import(updated_node, "get_pp_group"), AUX_MIXIN_MODULE, AUX_MIXIN)
 
     # ------------------------------------------------------------------ class
     def visit_ClassDef(self, node: cst.ClassDef) -> bool:
@@ -197,14 +201,14 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
         self.found = True
         cls = original_node
         if class_is_marked(cls):
-            raise SkipFile(f"{ALREADY_ADAPTED}: {self.class_name} carries {MARKER} = True")
+            raise SkipFile(f"{ALREADY_ADAPTED}: {self.class_name} carries {AUX_OVER_PP_FLAG} = True")
         if self.spec is not None and self.spec.dialect != "pipespec":
             raise self._skip(cls, f"spec {self.spec.name} ({self.spec.source}) is for the {self.spec.dialect} dialect, "
                                   "not vLLM-style model code")
         if self.spec is not None and not self.spec.supported:
             raise self._skip(cls, f"spec {self.spec.name} ({self.spec.source}) marks it unsupported: {self.spec.reason}")
-        if any(m.matches(a.value, m.Name(MIXIN) | m.Attribute(attr=m.Name(MIXIN))) for a in cls.bases):
-            raise self._skip(cls, f"inherits {MIXIN} but has no `{MARKER} = True`: hand-adapted? "
+        if any(m.matches(a.value, m.Name(AUX_MIXIN) | m.Attribute(attr=m.Name(AUX_MIXIN))) for a in cls.bases):
+            raise self._skip(cls, f"inherits {AUX_MIXIN} but has no `{AUX_OVER_PP_FLAG} = True`: hand-adapted? "
                                   "add the marker once its forward collects and packs aux states")
         assert isinstance(cls.body, cst.IndentedBlock)
         forwards = [s for s in cls.body.body if m.matches(s, m.FunctionDef(name=m.Name("forward")))]
@@ -223,9 +227,9 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
             else:
                 self._refuse_mixin_writes(stmt, class_level=True)
                 body.append(stmt)
-        markers = [f"{MARKER} = True  # pipespec: this class's own forward handles aux hidden states\n",
-                   f"pipespec_has_residual = {residual}\n",
-                   f"{MARKER_ATTR} = {json.dumps(marker_text(self.source, self.spec))}\n"]
+        markers = [f"{AUX_OVER_PP_FLAG} = True  # pipespec: this class's own forward handles aux hidden states\n",
+                   f"{HAS_RESIDUAL_ATTR} = {residual}\n",
+                   f"{GENERATED_BY_ATTR} = {json.dumps(marker_text(self.source, self.spec))}\n"]
         if self.spec is not None and self.spec.num_layers_key != "num_hidden_layers":
             markers.append(f"pipespec_num_layers_key = {json.dumps(self.spec.num_layers_key)}\n")
         if self.spec is not None and self.spec.boundary_rule != "allow":  # the plan enforces it from the start
@@ -237,9 +241,9 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
         if at:  # a blank line between the class docstring and the markers
             lines[0] = lines[0].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
         body[at:at] = lines
-        bases = [cst.Arg(cst.Name(MIXIN), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))), *cls.bases]
+        bases = [cst.Arg(cst.Name(AUX_MIXIN), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))), *cls.bases]
         if not cls.bases:
-            bases = [cst.Arg(cst.Name(MIXIN))]
+            bases = [cst.Arg(cst.Name(AUX_MIXIN))]
         return cls.with_changes(
             bases=bases, lpar=cst.LeftParen(), rpar=cst.RightParen(), body=cls.body.with_changes(body=body)
         )
@@ -304,7 +308,7 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
         for hand in (AUX, REMOTE, "collect_remote_aux_hidden_states", "aux_hidden_state_layers"):
             if hand in used:
                 raise self._skip(fn, f"forward already uses `{hand}`: aux states are handled by hand; review it and add "
-                                     f"`{MARKER} = True` to the class, or remove that code and regenerate")
+                                     f"`{AUX_OVER_PP_FLAG} = True` to the class, or remove that code and regenerate")
         stmts = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
         loop_at, shape, nonlast, last = self._read_forward(fn, stmts, used)
         loop = shape.loop

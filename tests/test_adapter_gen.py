@@ -253,12 +253,6 @@ def test_header_keeps_one_entry_per_class_and_a_shebang() -> None:
     ]
 
 
-def test_marker_name_matches_the_verifier() -> None:
-    from pipespec.contract.verify import MARKER
-
-    assert codegen.MARKER == MARKER
-
-
 # ------------------------------------------------------------------------------- --hf
 @pytest.mark.timeout(300)
 def test_hf_module_out_is_importable_and_checks_clean(tmp_path: Path) -> None:

@@ -24,8 +24,9 @@ import pytest
 import transformers
 from libcst.codemod import CodemodContext, CodemodTest, SkipFile
 
-from pipespec.codemods.adapt_hf_stage_forward import MARKER_ATTR, AdaptHFStageForwardCommand
+from pipespec.codemods.adapt_hf_stage_forward import AdaptHFStageForwardCommand
 from pipespec.codemods.hf_names import walk
+from pipespec.contract.names import GENERATED_BY_ATTR
 from pipespec.contract.spec import AdapterSpec
 from pipespec.integrations.transformers.infer import infer_spec
 
@@ -585,7 +586,7 @@ def test_installed_hf_module_adapts_once_compiles_and_keeps_other_classes(model_
     twice, _ = run(once, class_name=class_name, spec=spec)
     assert twice == once
     compile(once, f"<{model_type} adapted>", "exec")
-    assert once.count(f"{MARKER_ATTR} = ") == 1
+    assert once.count(f"{GENERATED_BY_ATTR} = ") == 1
     before, after = _classes(source), _classes(once)
     assert len(before) > 3 and before.keys() == after.keys()
     assert [k for k in before if before[k] != after[k]] == [class_name]

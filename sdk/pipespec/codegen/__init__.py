@@ -21,7 +21,6 @@ Nothing here imports or executes the code it adapts, nor torch or vLLM at import
 from __future__ import annotations
 
 from pipespec.codegen.decide import (
-    MARKER,
     VLLM_CONTRACT,
     detect_dialect,
     detect_module_dialect,
@@ -46,7 +45,6 @@ from pipespec.codegen.write import unified_diff, write_atomic
 
 __all__ = [
     "HEADER_FIRST",
-    "MARKER",
     "TINY",
     "VLLM_CONTRACT",
     "Outcome",

@@ -17,12 +17,12 @@ import libcst as cst
 import libcst.matchers as m
 
 from pipespec.codegen.source import Target, project_label
+from pipespec.contract.names import AUX_OVER_PP_FLAG
 from pipespec.contract.registry import Registry, default_registry
 from pipespec.contract.spec import AdapterSpec, load_spec
 from pipespec.errors import UsageError
 
 __all__ = [
-    "MARKER",
     "VLLM_CONTRACT",
     "detect_dialect",
     "detect_module_dialect",
@@ -33,8 +33,7 @@ __all__ = [
     "vllm_root_of",
 ]
 
-MARKER = "supports_aux_hidden_states_over_pp"  # pipespec.contract.verify.MARKER; not imported: verify pulls in torch
-_MARKED = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(MARKER))], value=m.Name("True"))])
+_MARKED = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(AUX_OVER_PP_FLAG))], value=m.Name("True"))])
 
 
 def is_adapted(node: cst.ClassDef) -> bool:

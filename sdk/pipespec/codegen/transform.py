@@ -17,7 +17,6 @@ import libcst as cst
 from libcst.codemod import CodemodContext, TransformFailure, TransformSkip, TransformSuccess, transform_module
 
 from pipespec.codegen.decide import (
-    MARKER,
     detect_dialect,
     detect_module_dialect,
     is_adapted,
@@ -27,6 +26,7 @@ from pipespec.codegen.decide import (
 )
 from pipespec.codegen.source import Target, find_class
 from pipespec.codemods.adapt_vllm_native import DecoderOutcome
+from pipespec.contract.names import AUX_OVER_PP_FLAG
 from pipespec.contract.spec import DIALECTS, AdapterSpec
 from pipespec.errors import PipespecError, UsageError
 
@@ -69,7 +69,7 @@ def adapt_target(target: Target, dialect: str | None = None, spec: AdapterSpec |
     dialect = dialect or detect_dialect(node)
     label = spec_label(spec)
     if is_adapted(node):
-        return Outcome("unchanged", target.code, dialect, label, reason=f"{target.class_name} is already adapted ({MARKER} = True)")
+        return Outcome("unchanged", target.code, dialect, label, reason=f"{target.class_name} is already adapted ({AUX_OVER_PP_FLAG} = True)")
     source = f"{target.module_name or target.label}:{target.class_name}"
     context = CodemodContext(filename=str(target.path), full_module_name=target.module_name)
     if dialect == "pipespec":

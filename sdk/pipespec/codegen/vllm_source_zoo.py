@@ -40,13 +40,12 @@ from typing import Any
 
 from pipespec.codemods.adapt_vllm_native import DecoderOutcome, adapt_vllm_module
 from pipespec.codemods.vllm_native_index import default_reader
+from pipespec.contract.names import AUX_OVER_PP_FLAG, VLLM_EAGLE3_INTERFACE, VLLM_EAGLE_MIXIN
 from pipespec.errors import UsageError
 from pipespec.integrations.vllm.sources import MODELS, source_tree
-from pipespec.integrations.vllm.support import AUX_CALLS, FLAG, judge_decoder_source
+from pipespec.integrations.vllm.support import AUX_CALLS, judge_decoder_source
 
 MODEL_DIRS = (MODELS, Path("models"))
-MIXIN = "EagleModelMixin"
-EAGLE3 = "SupportsEagle3"
 
 
 class Status(enum.Enum):
@@ -287,17 +286,17 @@ def _contract_problem(classes: dict[str, ast.ClassDef], outcome: DecoderOutcome)
     cls = classes.get(name)
     if cls is None:
         return f"class {name} is missing from the output"
-    if MIXIN not in _base_names(cls):
-        return f"{name} does not inherit {MIXIN}"
+    if VLLM_EAGLE_MIXIN not in _base_names(cls):
+        return f"{name} does not inherit {VLLM_EAGLE_MIXIN}"
     if not any(_sets_true(stmt) for stmt in cls.body):
-        return f"{name} does not set {FLAG} = True in its own body"
+        return f"{name} does not set {AUX_OVER_PP_FLAG} = True in its own body"
     called = {_called_name(n) for n in ast.walk(cls) if isinstance(n, ast.Call)}
     missing = [c for c in AUX_CALLS if c not in called]
     if missing:
         return f"{name} never calls {' / '.join(missing)}"
     for holder in outcome.causal_lm:
         if not _has_eagle3(classes, holder, set()):
-            return f"{holder} (holding {name}) does not implement {EAGLE3}"
+            return f"{holder} (holding {name}) does not implement {VLLM_EAGLE3_INTERFACE}"
     return ""
 
 
@@ -308,7 +307,7 @@ def _has_eagle3(classes: dict[str, ast.ClassDef], name: str, seen: set[str]) -> 
         return False
     seen.add(name)
     bases = _base_names(cls)
-    return EAGLE3 in bases or any(_has_eagle3(classes, b, seen) for b in bases)
+    return VLLM_EAGLE3_INTERFACE in bases or any(_has_eagle3(classes, b, seen) for b in bases)
 
 
 def _base_names(cls: ast.ClassDef) -> list[str]:
@@ -325,7 +324,7 @@ def _base_names(cls: ast.ClassDef) -> list[str]:
 def _sets_true(stmt: ast.stmt) -> bool:
     targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
     value = getattr(stmt, "value", None)
-    return (any(isinstance(t, ast.Name) and t.id == FLAG for t in targets)
+    return (any(isinstance(t, ast.Name) and t.id == AUX_OVER_PP_FLAG for t in targets)
             and isinstance(value, ast.Constant) and value.value is True)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from pipespec.contract.mixin import AuxHiddenStatesMixin
+from pipespec.contract.names import AUX_OVER_PP_FLAG, HAS_RESIDUAL_ATTR
 from pipespec.contract.registry import class_path, register_decorated
 from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import SpecError
@@ -47,10 +48,10 @@ def adapter(
             source=f"@pipespec.adapter on {cls.__module__}.{cls.__qualname__}",
             **fields,
         )
-        cls.supports_aux_hidden_states_over_pp = True  # type: ignore[attr-defined]
+        setattr(cls, AUX_OVER_PP_FLAG, True)
         cls.pipespec_spec = spec  # type: ignore[attr-defined]
         cls.pipespec_num_layers_key = spec.num_layers_key  # type: ignore[attr-defined]
-        cls.pipespec_has_residual = spec.residual  # type: ignore[attr-defined]
+        setattr(cls, HAS_RESIDUAL_ATTR, spec.residual)
         register_decorated(spec, cls)
         return cls
 

@@ -25,9 +25,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipespec.contract.names import AUX_KEY_PREFIX
 from pipespec.errors import LayoutError
 
-AUX_KEY_PREFIX = "aux_hidden_states_"
 BOUNDARY_RULES = ("allow", "reject-at-stage-end")
 
 

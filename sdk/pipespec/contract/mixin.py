@@ -27,7 +27,8 @@ from typing import Any, ClassVar
 import torch
 
 from pipespec.contract.intermediate import IntermediateTensors
-from pipespec.contract.layout import AUX_KEY_PREFIX, LayoutPlan, StagePlan, plan_layout
+from pipespec.contract.layout import LayoutPlan, StagePlan, plan_layout
+from pipespec.contract.names import AUX_KEY_PREFIX
 from pipespec.errors import LayoutError
 
 HIDDEN_KEY = "hidden_states"

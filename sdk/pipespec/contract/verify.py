@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from pipespec.contract.embed import METHODS_NEEDING_TARGET_EMBED
 from pipespec.contract.layout import LayoutPlan, plan_layout
+from pipespec.contract.names import AUX_OVER_PP_FLAG
 from pipespec.contract.registry import Registry, class_path, default_registry
 from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import LayoutError, UnsupportedModelError, UsageError
 
-MARKER = "supports_aux_hidden_states_over_pp"
 METHODS = tuple(sorted(METHODS_NEEDING_TARGET_EMBED))
 FORWARD_METHODS = ("forward",)
 
@@ -50,7 +50,7 @@ def find_support(cls: type, method: str = "eagle3", registry: Registry | None = 
     registry = registry or default_registry()
     for depth, klass in enumerate(cls.__mro__):
         spec = _spec_of(klass, registry)
-        marked = klass.__dict__.get(MARKER) is True
+        marked = klass.__dict__.get(AUX_OVER_PP_FLAG) is True
         if spec is None and not marked:
             continue
         if spec is not None and not spec.supported and not marked:

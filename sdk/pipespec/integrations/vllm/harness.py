@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
+from pipespec.contract.names import AUX_OVER_PP_FLAG
 from pipespec.integrations.vllm.reference_stream import (
-    ATOL,
     AuxCheckError,
     aux_of,
     compare_aux,
@@ -51,10 +51,9 @@ from pipespec.integrations.vllm.reference_stream import (
     record_stream,
 )
 
-__all__ = ["ATOL", "AuxCheckError", "Built", "Job", "build", "check_pp1", "init_rank", "set_model_root", "zoo_ids"]
+__all__ = ["Built", "Job", "build", "check_pp1", "init_rank", "set_model_root", "zoo_ids"]
 
 NUM_TOKENS = 7
-AUX_PREFIX = "aux_hidden_states_"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,6 +445,6 @@ def check_pp1(job: Job) -> dict[str, Any]:
     if not supports_eagle3(tested.model):
         raise AuxCheckError(f"supports_eagle3({job.causal_lm}) is False: vLLM refuses EAGLE3 for it")
     decoder_cls = type(tested.decoder)
-    if decoder_cls.__dict__.get("supports_aux_hidden_states_over_pp") is not True:
-        raise AuxCheckError(f"{decoder_cls.__name__} does not set supports_aux_hidden_states_over_pp = True on itself")
+    if decoder_cls.__dict__.get(AUX_OVER_PP_FLAG) is not True:
+        raise AuxCheckError(f"{decoder_cls.__name__} does not set {AUX_OVER_PP_FLAG} = True on itself")
     return result

@@ -40,16 +40,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pipespec.contract.layout import AUX_KEY_PREFIX, LayoutPlan, plan_layout
-from pipespec.integrations.vllm.harness import (
-    NUM_TOKENS,
-    AuxCheckError,
-    Job,
-    _classes,
-    _forward,
-    aux_of,
-    build,
-)
+from pipespec.contract.layout import LayoutPlan, plan_layout
+from pipespec.contract.names import AUX_KEY_PREFIX
+from pipespec.integrations.vllm.harness import NUM_TOKENS, Job, _classes, _forward, build
+from pipespec.integrations.vllm.reference_stream import AuxCheckError, aux_of
 
 if TYPE_CHECKING:
     from pipespec.integrations.vllm.zoo_workers import WorkerPool

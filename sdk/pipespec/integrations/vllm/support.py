@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipespec.codemods.vllm_native_index import module_path
+from pipespec.contract.names import AUX_OVER_PP_FLAG, VLLM_EAGLE_MIXIN
 
-FLAG = "supports_aux_hidden_states_over_pp"
 # What a forward must call to handle aux states over PP by vLLM's EagleModelMixin contract.
 AUX_CALLS = ("collect_remote_aux_hidden_states", "pack_local_aux_hidden_states")
 FIX = ("adapt it with `adapter-gen {file} --dialect vllm --class {cls}` and register the result, "
@@ -127,7 +127,7 @@ def class_facts(cls: type) -> list[ClassFacts]:
                 line = inspect.getsourcelines(forward)[1]
             except (OSError, TypeError):
                 line = 0
-        facts.append(ClassFacts(klass.__name__, source_file(klass), klass.__dict__.get(FLAG), FLAG in klass.__dict__,
+        facts.append(ClassFacts(klass.__name__, source_file(klass), klass.__dict__.get(AUX_OVER_PP_FLAG), AUX_OVER_PP_FLAG in klass.__dict__,
                                 forward is not None, _function_node(forward) if forward is not None else None, line))
     return facts
 
@@ -137,12 +137,12 @@ def judge_facts(facts: list[ClassFacts]) -> Judgement:
     this = facts[0]
     owner_at = next((i for i, k in enumerate(facts) if k.sets_flag), None)
     if owner_at is None:
-        return Judgement(this.name, this.file, False, f"`{this.name}` does not set {FLAG}: its forward does not "
+        return Judgement(this.name, this.file, False, f"`{this.name}` does not set {AUX_OVER_PP_FLAG}: its forward does not "
                                                        "collect, capture and pack aux hidden states per stage")
     owner = facts[owner_at]
     if owner.flag is not True:
         where = "" if owner_at == 0 else f" (inherited from `{owner.name}`)"
-        return Judgement(this.name, this.file, False, f"`{owner.name}` sets {FLAG} = {owner.flag!r} itself{where}",
+        return Judgement(this.name, this.file, False, f"`{owner.name}` sets {AUX_OVER_PP_FLAG} = {owner.flag!r} itself{where}",
                          supported_by=owner.name, opted_out=True)
     for klass in facts[:owner_at]:
         if klass.forward_is_transparent():
@@ -150,7 +150,7 @@ def judge_facts(facts: list[ClassFacts]) -> Judgement:
         return Judgement(
             this.name, this.file, False,
             f"`{klass.name}.forward` ({klass.file}:{klass.forward_line}) overrides `{owner.name}.forward` without "
-            f"aux handling (no {' / '.join(AUX_CALLS)}); {FLAG} = True is only inherited from `{owner.name}`",
+            f"aux handling (no {' / '.join(AUX_CALLS)}); {AUX_OVER_PP_FLAG} = True is only inherited from `{owner.name}`",
             supported_by=owner.name)
     delegating = [k.name for k in facts[:owner_at] if k.defines_forward]
     if owner_at == 0:
@@ -160,7 +160,7 @@ def judge_facts(facts: list[ClassFacts]) -> Judgement:
                "or does the aux handling itself")
     else:
         via = f"inherited from `{owner.name}`, forward not overridden"
-    return Judgement(this.name, this.file, True, f"{FLAG} = True ({via})", supported_by=owner.name)
+    return Judgement(this.name, this.file, True, f"{AUX_OVER_PP_FLAG} = True ({via})", supported_by=owner.name)
 
 
 def judge_decoder_class(cls: type) -> Judgement:
@@ -233,7 +233,7 @@ def judge_vllm_class(cls: type, pp: int = 2) -> Judgement:
         if getattr(cls, "supports_eagle3", False) is not True:
             return Judgement(decoder.__name__, source_file(decoder), False,
                              f"`{cls.__name__}` does not implement SupportsEagle3")
-    if "EagleModelMixin" not in {k.__name__ for k in decoder.__mro__}:
+    if VLLM_EAGLE_MIXIN not in {k.__name__ for k in decoder.__mro__}:
         return Judgement(decoder.__name__, source_file(decoder), False,
                          f"`{decoder.__name__}` does not inherit EagleModelMixin")
     if pp == 1:
@@ -273,7 +273,7 @@ def source_class_facts(path: str | Path, class_name: str, package_root: str | Pa
         for stmt in node.body:
             if isinstance(stmt, ast.Assign | ast.AnnAssign):
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-                if any(isinstance(t, ast.Name) and t.id == FLAG for t in targets) and stmt.value is not None:
+                if any(isinstance(t, ast.Name) and t.id == AUX_OVER_PP_FLAG for t in targets) and stmt.value is not None:
                     sets_flag = True
                     flag_value = ast.literal_eval(stmt.value) if isinstance(stmt.value, ast.Constant) else stmt.value
             elif isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef) and stmt.name == "forward":

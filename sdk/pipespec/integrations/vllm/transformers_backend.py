@@ -46,7 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipespec.contract.layout import AUX_KEY_PREFIX, StagePlan, plan_layout
+from pipespec.contract.layout import StagePlan, plan_layout
+from pipespec.contract.names import AUX_KEY_PREFIX, AUX_OVER_PP_FLAG
 from pipespec.errors import UsageError
 from pipespec.integrations.vllm import compat
 
@@ -87,7 +88,7 @@ class TransformersAuxOverPP:
         self._pipespec_release = compat.current()  # the installed vLLM's rules (Base's private parts)
         # What vLLM's runner reads on the decoder (``_inner_decoder(model)`` is ``model.model`` here).
         decoder = self.model  # type: ignore[attr-defined]
-        decoder.supports_aux_hidden_states_over_pp = True
+        setattr(decoder, AUX_OVER_PP_FLAG, True)
         decoder.AUX_HIDDEN_STATE_KEY = AUX_KEY_PREFIX
         decoder._aux_slot_base_cached = 0
 
@@ -295,7 +296,7 @@ def backend_verdict(cls: type, method: str, pp: int) -> BackendVerdict:
     if pp > 1:
         why = (f"{cls.__name__} does not support {needs}: on a non-last rank vLLM's Transformers backend returns "
                "hidden_states only (the aux states it recorded are dropped) and its decoder has no "
-               "supports_aux_hidden_states_over_pp")
+               f"{AUX_OVER_PP_FLAG}")
     else:
         why = (f"{cls.__name__} records {method} aux states at `_layer_names[id - 1]`, so a draft asking for id 0 "
                "(the embeddings) fails at load, and it cannot relay them over PP")

@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from pipespec.integrations.vllm.harness import ATOL, AUX_PREFIX, Job
+from pipespec.contract.names import AUX_KEY_PREFIX
+from pipespec.integrations.vllm.harness import Job
 from pipespec.integrations.vllm.pp_ranks import (
     PipelineError,
     PipelineRun,
@@ -38,6 +39,7 @@ from pipespec.integrations.vllm.pp_ranks import (
     pp3_partition,
     run_pipeline,
 )
+from pipespec.integrations.vllm.reference_stream import ATOL
 from pipespec.integrations.vllm.zoo_workers import WorkerPool
 
 __all__ = ["ENVIRONMENT_ERRORS", "FLAG_CLASSES", "STATUSES", "ZooResult", "decoder_files", "inherited_flag_verdicts", "run_vllm_zoo"]
@@ -227,9 +229,9 @@ def _keys(keys: Sequence[str]) -> str:
     """Aux keys for a reason: ``aux_hidden_states_0..3`` for a run of consecutive slots."""
     if not keys:
         return "no aux keys"
-    slots = [int(k[len(AUX_PREFIX):]) for k in keys]
+    slots = [int(k[len(AUX_KEY_PREFIX):]) for k in keys]
     if len(slots) > 1 and slots == list(range(slots[0], slots[0] + len(slots))):
-        return f"{AUX_PREFIX}{slots[0]}..{slots[-1]}"
+        return f"{AUX_KEY_PREFIX}{slots[0]}..{slots[-1]}"
     return ", ".join(keys)
 
 

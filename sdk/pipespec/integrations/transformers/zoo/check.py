@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from pipespec.contract.names import HAS_RESIDUAL_ATTR
 from pipespec.integrations.transformers.zoo.compare import Mismatch, compare_stage_outputs
 from pipespec.integrations.transformers.zoo.reference import (
     Reference,
@@ -181,7 +182,7 @@ def _subject(
         result.status = "failed"
         result.reason = f"adapted {adapted.__name__} counts {declared} layers but the stack has {num_layers}"
         return None
-    has_residual = bool(getattr(adapted, "pipespec_has_residual", False))
+    has_residual = bool(getattr(adapted, HAS_RESIDUAL_ATTR, False))
     cache_kwarg = None
     steps: list[tuple[torch.Tensor, Reference]] = []
     if decode_steps > 0:
