@@ -8,10 +8,25 @@ VLLM_VERSION := 0.32.0
 VVENV := .venv-vllm
 VBIN := $(VVENV)/bin
 VSTAMP := $(VVENV)/.pipespec-installed
+# SGLang's wheel pins the CUDA torch 2.14.1, flashinfer, sglang-kernel and ~4 GB of nvidia-* wheels: it is
+# installed with --no-deps over the CPU torch, with the light dependencies its CPU path imports (pinned where
+# SGLang pins them; transformers at SGLang's 5.19.0). tests/sglang/standins provides the two import-time
+# modules with no CPU build (sgl_kernel, torchvision) to the test processes only.
+SGLANG_VERSION := 0.5.23
+SVENV := .venv-sglang
+SBIN := $(SVENV)/bin
+SSTAMP := $(SVENV)/.pipespec-installed
+SGLANG_DEPS := transformers==5.19.0 tokenizers==0.23.2 apache-tvm-ffi==0.1.11 blobfile==3.0.0 \
+	compressed-tensors==0.18.0 openai==2.8.0 openai-harmony==0.0.4 sentencepiece==0.2.1 xgrammar==0.2.7 \
+	'llguidance>=1.7.6,<2' 'prometheus-client>=0.20.0' 'pyzmq>=25.1.2' 'uvicorn>=0.51' triton \
+	aiohttp dill einops fastapi gguf interegular ipython msgspec numpy nvidia-ml-py orjson packaging \
+	partial_json_parser pillow psutil pybase64 pydantic python-multipart regex requests scipy setproctitle \
+	tiktoken tqdm uvloop xxhash zstandard
 # Stage processes share the cores: one intra-op thread each avoids oversubscription (10x slower otherwise).
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-core test-vllm lint zoo zoo-vllm zoo-vllm-source sources bench clean venv venv-vllm
+.PHONY: demo test test-core test-vllm test-sglang lint zoo zoo-vllm zoo-vllm-source sources bench clean venv venv-vllm \
+	venv-sglang
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,10 +58,23 @@ $(VSTAMP): $(VBIN)/python pyproject.toml
 
 venv-vllm: $(VSTAMP)
 
+$(SBIN)/python:
+	$(PY) -m venv $(SVENV)
+
+$(SSTAMP): $(SBIN)/python pyproject.toml Makefile
+	$(SBIN)/python -m pip install -q --upgrade pip
+	$(SBIN)/python -m pip install -q torch==2.13.0
+	$(SBIN)/python -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
+	$(SBIN)/python -m pip install -q $(SGLANG_DEPS)
+	$(SBIN)/python -m pip install -q -e '.[test]'
+	touch $(SSTAMP)
+
+venv-sglang: $(SSTAMP)
+
 demo: $(STAMP)
 	$(BIN)/pipespec demo
 
-test: test-core test-vllm
+test: test-core test-vllm test-sglang
 
 # vLLM releases whose Python sources the source zoo reads (tests/test_zoo_vllm_source.py, `make zoo-vllm-source`):
 # fetched once per machine into PIPESPEC_VLLM_SOURCES (default ~/.cache/pipespec/vllm-sources) with
@@ -63,6 +91,10 @@ test-core: $(STAMP) sources
 test-vllm: $(VSTAMP) sources
 	$(VBIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests/vllm
 
+# Real SGLang on CPU in its own venv: the plugin, verify --engine sglang and the aux-state oracle at PP = 1, 2.
+test-sglang: $(SSTAMP)
+	$(SBIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests/sglang
+
 zoo: $(STAMP)
 	$(BIN)/pipespec zoo --write-coverage docs/coverage.md
 
@@ -77,4 +109,4 @@ bench: $(STAMP)
 	$(BIN)/pipespec bench all --quick
 
 clean:
-	rm -rf $(VENV) $(VVENV) build *.egg-info sdk/*.egg-info
+	rm -rf $(VENV) $(VVENV) $(SVENV) build *.egg-info sdk/*.egg-info
