@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
@@ -27,15 +28,27 @@ COMMANDS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, and values such as ``-1,5`` taken as values, not as flags.
+
+    argparse of the Pythons pipespec supports takes a dash-led token as a value only when the whole
+    token is one number, so ``--aux-layers -1,5`` failed with "expected one argument" instead of the
+    real reason (id -1 is out of range). No pipespec option starts with a dash and a digit, so a token
+    that does is a value (the rule newer argparse releases apply).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="pipespec", description="EAGLE3 speculative decoding under pipeline parallelism.")
+    parser = Parser(prog="pipespec", description="EAGLE3 speculative decoding under pipeline parallelism.")
     parser.add_argument("--version", action="version", version=f"pipespec {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name, module_name in COMMANDS.items():
         try:
             module = importlib.import_module(module_name)

@@ -18,9 +18,11 @@ token for token (speculative decoding is lossless, and the split changes nothing
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,20 @@ def cache_dir(given: str | None) -> Path:
     return Path.home() / ".cache" / "pipespec" / "demo"
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off for the block, back as they were after it."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def constructed_pair(directory: Path) -> tuple[Path, Path]:
     """Build (once) or reuse the constructed agreeing pair under ``directory``."""
     from pipespec.engine.tiny_checkpoints import write_agreeing_pair
@@ -74,7 +90,8 @@ def constructed_pair(directory: Path) -> tuple[Path, Path]:
     if stamp.exists() and stamp.read_text().strip() == CONSTRUCTED_VERSION:
         return target, draft
     directory.mkdir(parents=True, exist_ok=True)
-    write_agreeing_pair(target, draft, vocab_size=48, num_layers=4, format="B")
+    with _no_progress_bars():  # transformers' save/load bars for a 48-token model say nothing
+        write_agreeing_pair(target, draft, vocab_size=48, num_layers=4, format="B")
     stamp.write_text(CONSTRUCTED_VERSION + "\n")
     return target, draft
 

@@ -2,7 +2,7 @@
 
 Starts P stage processes itself (gloo on CPU, NCCL with ``--device cuda``, one GPU per stage); the same
 flags run one stage per process under ``torchrun --nproc-per-node P -m pipespec.engine``. Output
-contract (DESIGN.md): ``--json`` prints ``{"output_ids", "num_steps", "mean_acceptance_length",
+contract: ``--json`` prints ``{"output_ids", "num_steps", "mean_acceptance_length",
 "tokens_per_s", "aux_convention", "aux_layers", ...}``, or ``{"outputs": [...], ...}`` for
 ``--prompts-file``. The aux convention in use is printed in every run (stderr) and in the JSON.
 """
@@ -21,10 +21,10 @@ from pipespec.errors import UsageError
 HELP = "run greedy EAGLE3 speculative decoding with the target split over P pipeline stages"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, pp_help: str = "pipeline stages, one process each (default 1)") -> None:
     parser.add_argument("--target", required=True, metavar="DIR", help="target checkpoint directory (HF, safetensors)")
     parser.add_argument("--draft", metavar="DIR", help="EAGLE3 draft checkpoint (Format A or B); not needed with --num-spec-tokens 0")
-    parser.add_argument("--pp", type=positive_int, default=1, metavar="P", help="pipeline stages, one process each (default 1)")
+    parser.add_argument("--pp", type=positive_int, default=1, metavar="P", help=pp_help)
     parser.add_argument("--partition", type=int_list, metavar="C0,C1,...", help="layers per stage (default: vLLM's rule)")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="prompt text (needs a tokenizer in the target directory)")
@@ -63,18 +63,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
     parser.add_argument("--trace", action="store_true",
                         help="add each output's draft_trace (the drafts every verify step checked; [] for a plain step) to the JSON")
-    parser.add_argument("--json", action="store_true", help="print one JSON object (format: DESIGN.md)")
+    parser.add_argument("--json", action="store_true",
+                        help='print one JSON object: {"output_ids" (new tokens only), "num_steps", '
+                             '"mean_acceptance_length", "tokens_per_s", "aux_convention", "aux_layers", ...}; '
+                             'with --prompts-file {"outputs": [{"output_ids": [...]}, ...] in input order, ...}')
     parser.add_argument("--verbose", "-v", action="store_true", help="per-stage log lines on stderr")
+
+
+def check_device(device: str) -> None:
+    """``--device cuda`` needs a CUDA device visible here: refused before the job is read or a stage starts."""
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        built = f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None else \
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
+        raise UsageError(f"--device cuda: {built}; use --device cpu, or run where a GPU is visible")
 
 
 def job_from_args(args: argparse.Namespace) -> Any:
     """The ``GenerateJob`` these flags describe (tokenizes text prompts)."""
-    from pipespec.engine.job import GenerateJob, build_requests
-
     if not (math.isfinite(args.timeout) and args.timeout > 0):  # nan and inf would fail deep in torch.distributed
         raise UsageError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
     if not (math.isfinite(args.load_timeout) and args.load_timeout > 0):
         raise UsageError(f"--load-timeout must be a finite number of seconds > 0, got {args.load_timeout}")
+    check_device(args.device)
+    from pipespec.engine.job import GenerateJob, build_requests
+
     if args.dtype is not None:
         from pipespec.pp.loading import dtype_from_name
 
@@ -95,7 +111,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
 
 
 def compose_output(job: Any, stage_results: list[dict[str, Any]], batch: bool) -> dict[str, Any]:
-    """Merge the stages' results into the JSON of DESIGN.md."""
+    """Merge the stages' results into the ``--json`` object (the keys ``add_arguments``'s help names)."""
     from pipespec.engine.job import load_tokenizer
 
     generation = dict(stage_results[-1]["generation"])
@@ -140,23 +156,29 @@ def print_result(result: dict[str, Any], as_json: bool, batch: bool) -> None:
         print(f"  stage {s['rank']}: layers [{s['start_layer']}, {s['end_layer']}), read {s['bytes_read'] / 1e6:.2f} MB ({share:.0%} of the checkpoint)")
 
 
+_ANNOUNCED: set[str] = set()
+
+
 def announce_convention(result: dict[str, Any]) -> None:
-    """The aux convention line every run prints (stderr, so --json stdout stays one object)."""
+    """The aux convention line every run prints (stderr, so --json stdout stays one object).
+
+    Once per process for each distinct line: a benchmark that runs ``generate`` through this entry
+    point many times over one pair says it once (each result's JSON still carries the convention)."""
     if result.get("aux_convention") is None:
-        print("pipespec: plain pipeline decoding (--num-spec-tokens 0): no draft, no aux states", file=sys.stderr)
-        return
-    print(
-        f"pipespec: aux convention {result['aux_convention']} ({result['aux_convention_source']}): "
-        f"draft ids {result['config_aux_layers']} -> aux layers {result['aux_layers']} (input-index)",
-        file=sys.stderr,
-    )
+        line = "pipespec: plain pipeline decoding (--num-spec-tokens 0): no draft, no aux states"
+    else:
+        line = (f"pipespec: aux convention {result['aux_convention']} ({result['aux_convention_source']}): "
+                f"draft ids {result['config_aux_layers']} -> aux layers {result['aux_layers']} (input-index)")
+    if line not in _ANNOUNCED:
+        _ANNOUNCED.add(line)
+        print(line, file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
+    job = job_from_args(args)  # flag errors first: before the engine, the model check, any stage
     from pipespec.engine.worker import check_job, stage_main
     from pipespec.pp.launch import run_stages
 
-    job = job_from_args(args)
     check_job(job)
     results = run_stages(stage_main, job, job.pp, device_type=job.device, timeout_s=job.timeout_s,
                          load_timeout_s=job.load_timeout_s, verbose=job.verbose)

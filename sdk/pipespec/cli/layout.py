@@ -13,7 +13,10 @@ HELP = "plan stages and aux-state slots for N layers over P stages"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_layout_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON (format: DESIGN.md)")
+    parser.add_argument("--json", action="store_true",
+                        help='print the plan as JSON: {"num_layers", "aux_layers" (sorted, unique), "stages": [{"rank", '
+                             '"start_layer", "end_layer", "slot_base", "produces" (ids), "sends" (aux keys, relayed first), '
+                             '"relays", "collects" (last stage)}]}')
 
 
 def format_table(plan: LayoutPlan) -> str:

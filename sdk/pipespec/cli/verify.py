@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+from pathlib import Path
 
 from pipespec.cli.args import add_layout_arguments, layout_from_args
 from pipespec.contract.registry import default_registry
@@ -32,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--architecture", metavar="A", help="HF architectures name, e.g. LlamaForCausalLM")
     which.add_argument("--class", dest="class_path", metavar="module:Class", help="decoder class to import and check")
-    parser.add_argument("--method", default="eagle3", choices=METHODS)
+    parser.add_argument("--method", default="eagle3", choices=METHODS,
+                        help="speculative method whose draft reads the target (default eagle3)")
     add_layout_arguments(parser, num_layers_required=False)
     parser.add_argument("--engine", choices=ENGINES, default="transformers",
                         help="transformers (default): pipespec's registry and verifier; vllm: what pipespec's vLLM plugin would do")
@@ -113,12 +115,13 @@ def run(args: argparse.Namespace) -> int:
                 f"`{args.architecture}` does not support {args.method} with pipeline parallelism: "
                 f"{spec.reason.rstrip('.')} ({spec.source}). Adapt its forward with adapter-gen and register the result"
             )
+        # A class that a spec names is supported by that spec, and the boundary rule is the spec's: the
+        # spec answers, and the decoder class is not imported (that would load torch and the model's
+        # library). `--class` checks a class itself: its parents and its own forward.
         target: object = None
-        try:
-            target = import_class(spec.decoder_class)
-        except UsageError:
-            target = None  # e.g. a vLLM or remote-code class not installed here: the spec alone decides
         name, rule = args.architecture, spec.boundary_rule
+        entry = registry.lookup_entry(args.architecture)
+        via = f" (spec {Path(spec.source).name if entry is not None and entry.origin == 'builtin' else spec.source})"
     else:
         target = import_class(args.class_path)
         spec = registry.lookup(target)
@@ -132,8 +135,6 @@ def run(args: argparse.Namespace) -> int:
     if target is not None:
         support = verify_supports_aux_hidden_states_over_pp(target, args.method, layout, registry)
         via = "" if support.supported_by is target else f" (inherited from {support.supported_by.__name__})"
-    else:
-        via = " (spec only; class not importable here)"
     print(
         f"{name}: supported for {args.method} with PP={layout.pp_size}, partition {list(layout.partition)}, "
         f"aux ids {list(layout.aux_layers)}, boundary rule {layout.boundary_rule}{via}"

@@ -1,19 +1,21 @@
 """``torchrun --nproc-per-node P [--nnodes ...] -m pipespec.engine <pipespec generate flags>``.
 
 One process per stage, ``env://`` rendezvous (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
-LOCAL_RANK; the GPU of a stage is its LOCAL_RANK). After decoding, the stages' small stats are gathered
-on the last rank, which prints the same output as ``pipespec generate``. Errors: one line on stderr
-naming the stage, exit 1 (2 for usage errors); torchrun then stops the other ranks.
+LOCAL_RANK; the GPU of a stage is its LOCAL_RANK). ``--pp`` defaults to torchrun's WORLD_SIZE (one stage
+per process). After decoding, the stages' small stats are gathered on the last rank, which prints the
+same output as ``pipespec generate``. Errors: one line on stderr naming the stage, exit 1 (2 for usage
+errors); torchrun then stops the other ranks and, for any non-zero exit of a worker, raises its own
+``ChildFailedError`` with a report (torchrun's, not the worker's: a worker cannot silence it).
 """
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 from typing import Any
 
-from pipespec.cli import generate
-from pipespec.errors import PipespecError
+from pipespec.cli import Parser, generate
+from pipespec.errors import PipespecError, UsageError
 
 
 def _stage(ctx: Any, job: Any) -> Any:
@@ -28,18 +30,34 @@ def _stage(ctx: Any, job: Any) -> Any:
     return gathered if ctx.is_last else None
 
 
+def world_size_or_one() -> int:
+    """torchrun's WORLD_SIZE (1 when it is unset or not a positive integer: the launcher then says why)."""
+    text = os.environ.get("WORLD_SIZE", "")
+    return int(text) if text.isdigit() and int(text) > 0 else 1
+
+
+def check_world_size(pp: int) -> None:
+    """``--pp`` equals the number of processes torchrun started (before the job is read or a weight loaded)."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) != pp:
+        raise UsageError(f"--pp {pp} does not match the {world} processes torchrun started (--nproc-per-node "
+                         "times --nnodes): drop --pp (it defaults to that number) or start one process per stage")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipespec.engine", description=generate.HELP)
-    generate.add_arguments(parser)
+    parser = Parser(prog="python -m pipespec.engine", description=generate.HELP)
+    generate.add_arguments(parser, pp_help="pipeline stages (default: torchrun's WORLD_SIZE, one stage per process)")
+    parser.set_defaults(pp=None)
     args = parser.parse_args(argv)
+    if args.pp is None:  # torchrun already says how many stages there are
+        args.pp = world_size_or_one()
     from pipespec.pp.launch import run_under_torchrun
 
-    rank = "?"
+    rank, started = os.environ.get("RANK", "?"), False
     try:
-        import os
-
-        rank = os.environ.get("RANK", "?")
+        check_world_size(args.pp)
         job = generate.job_from_args(args)
+        started = True
         gathered = run_under_torchrun(_stage, job, device_type=job.device, timeout_s=job.timeout_s,
                                       load_timeout_s=job.load_timeout_s, verbose=job.verbose)
         if gathered is not None:
@@ -49,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             generate.print_result(result, args.json, batch)
         return 0
     except PipespecError as exc:
-        print(f"pipespec.engine: error: stage {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if started or rank in ("0", "?"):  # a flag error is the same on every rank: rank 0 says it once
+            print(f"pipespec.engine: error: stage {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"pipespec.engine: stage {rank} interrupted", file=sys.stderr)

@@ -35,8 +35,9 @@ def detect_draft_format(config: Mapping[str, Any], where: str = "config.json") -
         return "B"
     raise CheckpointError(
         f"{where}: unknown draft checkpoint format (architectures {list(archs)}): pipespec reads EAGLE3 drafts in "
-        f"Format A (architectures {list(ARCHITECTURES_A)}) or Format B (architectures {list(ARCHITECTURES_B)}); "
-        "see docs/draft-formats.md"
+        f"{FORMAT_NAMES['A']} with architectures {list(ARCHITECTURES_A)} and its ids in eagle_config, or "
+        f"{FORMAT_NAMES['B']} with architectures {list(ARCHITECTURES_B)} and its layer under "
+        "transformer_layer_config: convert the draft to one of them"
     )
 
 
