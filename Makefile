@@ -109,4 +109,4 @@ bench: $(STAMP)
 	$(BIN)/pipespec bench all --quick
 
 clean:
-	rm -rf $(VENV) $(VVENV) $(SVENV) build *.egg-info sdk/*.egg-info
+	rm -rf $(VENV) $(VVENV) $(SVENV) build dist *.egg-info sdk/*.egg-info

@@ -58,8 +58,7 @@ def test_p2_quick_json_reports_every_decode_size_through_real_processes() -> Non
 
 
 def test_acceptance_model_hits_the_public_tau_and_grows_with_k() -> None:
-    sys.path.insert(0, str(ROOT))
-    from bench.p3_speedup import acceptance_alpha, expected_tau
+    from pipespec.bench.p3_speedup import acceptance_alpha, expected_tau
 
     alpha = acceptance_alpha(3.0, 3)
     assert 0.8 < alpha < 0.82
@@ -71,8 +70,7 @@ def test_acceptance_model_hits_the_public_tau_and_grows_with_k() -> None:
 @pytest.mark.timeout(240)
 def test_the_70b_projection_runs_on_cpu_at_toy_size_and_labels_itself() -> None:
     """The GPU-only projection path (real LlamaModel, real Eagle3Draft.propose) at toy dimensions."""
-    sys.path.insert(0, str(ROOT))
-    from bench.p3_speedup import TargetShape, acceptance_alpha, expected_tau, project_70b
+    from pipespec.bench.p3_speedup import TargetShape, acceptance_alpha, expected_tau, project_70b
 
     shape = TargetShape(hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=512, draft_vocab=128, num_layers=4, context=32)
     rows = project_70b([1, 3], [1, 2], "pipespec bench p3", device="cpu", shape=shape)
@@ -134,12 +132,12 @@ def test_p3_quick_runs_on_the_given_pair_and_records_it(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(400)
 def test_p3_policy_script_writes_the_policy_rows_at_pp1_with_a_control_and_pools_calls(tmp_path: Path) -> None:
-    """``bench/p3_speedup.py`` (the command for a one-GPU measurement) on CPU at PP = 1, tiny sizes, with the
+    """``python -m pipespec.bench.p3_speedup`` (the command for a one-GPU measurement) on CPU at PP = 1, tiny sizes, with the
     A/A control and a lead-in; then ``--pool`` over two calls' runs gives the rows of their runs together."""
     pair = _tiny_pair(tmp_path / "pair").resolve()
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "bench/p3_speedup.py", "--pp", "1", "--c", "2", "--tokens", "6", "--repeats", "2", "--control",
+        [sys.executable, "-m", "pipespec.bench.p3_speedup", "--pp", "1", "--c", "2", "--tokens", "6", "--repeats", "2", "--control",
          "--pair", str(pair), "--out", str(out)],
         capture_output=True, text=True, timeout=380, cwd=ROOT, check=False,
     )
@@ -161,7 +159,7 @@ def test_p3_policy_script_writes_the_policy_rows_at_pp1_with_a_control_and_pools
     # Pooled: the same file twice stands for two calls; the rows are the medians over both.
     gz = tmp_path / "again.jsonl.gz"
     gz.write_bytes(gzip.compress((out / "p3_runs.jsonl").read_bytes()))
-    pooled = subprocess.run([sys.executable, "bench/p3_speedup.py", "--pool", str(out / "p3_runs.jsonl"), str(gz),
+    pooled = subprocess.run([sys.executable, "-m", "pipespec.bench.p3_speedup", "--pool", str(out / "p3_runs.jsonl"), str(gz),
                              "--out", str(tmp_path / "pooled")], capture_output=True, text=True, timeout=120, cwd=ROOT,
                             check=False)
     assert pooled.returncode == 0, pooled.stderr[-2000:]
@@ -175,7 +173,7 @@ def test_p3_policy_script_writes_the_policy_rows_at_pp1_with_a_control_and_pools
     broken = tmp_path / "broken.jsonl"
     broken.write_text((out / "p3_runs.jsonl").read_text().splitlines()[0] + "\n{not json\n")
     for bad, says in ((other, f"{other}:1: new_tokens = 7, but the first run pooled has 6"), (broken, f"{broken}:2: not a run")):
-        proc = subprocess.run([sys.executable, "bench/p3_speedup.py", "--pool", str(out / "p3_runs.jsonl"), str(bad),
+        proc = subprocess.run([sys.executable, "-m", "pipespec.bench.p3_speedup", "--pool", str(out / "p3_runs.jsonl"), str(bad),
                                "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120, cwd=ROOT,
                               check=False)
         assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
@@ -341,11 +339,11 @@ def test_training_loops_stop_at_the_wall_time_cap_and_say_so() -> None:
 
 @pytest.mark.timeout(240)
 def test_pipeline_sweep_script_measures_fixed_length_prompts_and_writes_its_files(tmp_path: Path) -> None:
-    """``bench/pipeline_microbatches.py`` as a script: both schedules run side by side through real stage
+    """``python -m pipespec.bench.pipeline_microbatches``: both schedules run side by side through real stage
     processes, with prompts of the given length, and the outputs of the two schedules are compared."""
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "bench/pipeline_microbatches.py", "--device", "cpu", "--c", "3", "--tokens", "3", "--repeats", "1",
+        [sys.executable, "-m", "pipespec.bench.pipeline_microbatches", "--device", "cpu", "--c", "3", "--tokens", "3", "--repeats", "1",
          "--prompt-len", "40", "--out", str(out)],
         capture_output=True, text=True, timeout=240, cwd=ROOT, check=False,
     )
@@ -372,15 +370,15 @@ def test_pipeline_sweep_script_measures_fixed_length_prompts_and_writes_its_file
 
 
 def test_pipeline_sweep_script_refuses_bad_concurrencies(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "bench/pipeline_microbatches.py", "--c", "8,x", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "pipespec.bench.pipeline_microbatches", "--c", "8,x", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
     assert proc.returncode == 2 and "--c '8,x'" in proc.stderr
 
 
 def test_p3_runs_one_c_after_another_each_after_a_lead_in_of_its_own_c() -> None:
-    """Each c's runs come together, in a carry-over balanced order (``bench.run_order``), after one unmeasured
+    """Each c's runs come together, in a carry-over balanced order (``pipespec.bench.run_order``), after one unmeasured
     run of the same c; every variant is measured ``repeats`` times, at every place of a repeat equally often."""
-    from bench.p3_speedup import CONTROL, interleaved, policy_runs
+    from pipespec.bench.p3_speedup import CONTROL, interleaved, policy_runs
 
     runs = policy_runs([1, 8], control=True)
     assert {r[2] for r in runs} == {"always", "adaptive", CONTROL}

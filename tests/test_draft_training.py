@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+from pipespec.bench.corpus import generation_prompts
 from pipespec.demo import demo_available, demo_draft_dir, demo_target_dir
 from pipespec.engine.draft_checkpoint import TargetInfo, inspect_draft_checkpoint, load_draft_checkpoint
 from pipespec.engine.reference import reference_speculative_generate
@@ -22,7 +23,6 @@ from pipespec.engine.tiny_checkpoints import make_random_draft
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # ``bench`` is the repository's, not an installed package
 
-from bench.demo_training.corpus import generation_prompts  # noqa: E402
 from bench.demo_training.draft_model import draft_vocabulary, make_draft, pruned_draft, ttt_logits  # noqa: E402
 from bench.demo_training.draft_training import train_draft_on_generations  # noqa: E402
 from bench.demo_training.generations import aux_features, greedy_generations  # noqa: E402

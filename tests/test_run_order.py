@@ -1,4 +1,4 @@
-"""The benchmarks' run order (``bench.run_order``): carry-over balance, for any number of repeats."""
+"""The benchmarks' run order (``pipespec.bench.run_order``): carry-over balance, for any number of repeats."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.run_order import balanced_cycle, balanced_order, lead_in, rotation_order
+from pipespec.bench.run_order import balanced_cycle, balanced_order, lead_in, rotation_order
 
 
 @given(st.integers(1, 7), st.integers(1, 45))

@@ -1,7 +1,8 @@
 """The pieces of ``bench/train_demo.py``, one concept per module; ``bench/train_demo.py`` is the command.
 
 - ``presets``: every size and step count (``Preset``, ``PRESETS``) and ``--retrain-draft``'s recipe;
-- ``corpus``: the stdlib corpus, its train / held-out split, and the prompts drawn from it;
+- the stdlib corpus, its train / held-out split and the prompts drawn from it are ``pipespec.bench.corpus``
+  (the benchmarks draw their held-out prompts from it too);
 - ``tokenizer``: the byte-level BPE tokenizer and the token stream;
 - ``loop``: what both training loops share (LR schedule, optimizer, wall-time cap, the step loop);
 - ``target_training``: the Llama target and its next-token training;

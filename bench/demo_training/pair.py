@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from bench.demo_training.corpus import eval_prompts, load_corpus
 from bench.demo_training.draft_model import draft_parameters, draft_vocabulary, make_draft
 from bench.demo_training.draft_training import train_draft
 from bench.demo_training.evaluate import evaluate_checkpoints
@@ -30,6 +29,7 @@ from bench.demo_training.record import finish, run_record
 from bench.demo_training.retrain import recipe_from_args, retrain_draft
 from bench.demo_training.target_training import make_target, train_target
 from bench.demo_training.tokenizer import EOS, encode_stream, train_tokenizer
+from pipespec.bench.corpus import eval_prompts, load_corpus
 from pipespec.contract.layout import eagle3_default_aux_ids
 
 Log = Callable[[str], None]

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from bench.demo_training.corpus import eval_prompts, generation_prompts, load_corpus
 from bench.demo_training.draft_model import draft_parameters, draft_vocabulary, make_draft, pruned_draft
 from bench.demo_training.draft_training import train_draft_on_generations
 from bench.demo_training.evaluate import evaluate_checkpoints
@@ -29,6 +28,7 @@ from bench.demo_training.generations import aux_features, greedy_generations
 from bench.demo_training.heldout import HeldOut
 from bench.demo_training.presets import GenerationRecipe, Preset
 from bench.demo_training.record import finish, run_record
+from pipespec.bench.corpus import eval_prompts, generation_prompts, load_corpus
 from pipespec.contract.layout import eagle3_default_aux_ids
 from pipespec.engine.draft import Eagle3Draft
 from pipespec.errors import UsageError

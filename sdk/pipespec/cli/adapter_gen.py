@@ -235,7 +235,8 @@ def _run_new(args: argparse.Namespace) -> int:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
     for path in result.written:
         print(f"wrote {path}")
-    print(f"next: pytest -q {result.test_path}")
+    # The generated test runs under pytest with pytest-timeout: the `test` extra installs both.
+    print(f"next: pytest -q {result.test_path}   (needs pytest and pytest-timeout: pip install 'pipespec[test]')")
     print(f"      {result.verify_command}")
     return 0
 

@@ -2,7 +2,7 @@
 
 A small or medium model's decode step on a GPU is bound by the host: measured on an H200, a 4-layer
 stage forward costs ~3.5 ms of Python and kernel launches for ~0.3 ms of kernels
-(``bench/phases.py``). A CUDA graph records those kernels once and replays them with one launch.
+(``pipespec.bench.phases``). A CUDA graph records those kernels once and replays them with one launch.
 
 ``GraphedForwards`` runs the verify forwards of one micro-batch, whose running rows live in a
 ``SlotStore`` (fixed addresses; ``pipespec.engine.slot_cache``). Per shape ``(rows, T)`` it keeps

@@ -3,7 +3,7 @@ to M micro-batches in flight.
 
 ``stage_main`` is the entry point ``pipespec.pp.launch`` and the CLI run; the phases live in
 ``pipespec.engine.stage`` (settings, loading, rounds, drafting, captures, runner, stats). ``StageRunner``
-is looked up here when a stage starts (``bench/soak.py`` rebinds it). Must not import the CLI or vllm.
+is looked up here when a stage starts (``pipespec.bench.soak`` rebinds it). Must not import the CLI or vllm.
 
 Every stage runs the same schedule over the same replicated state (``pipespec.engine.microbatch``);
 only the last stage decides anything, and its per-round message keeps the copies equal.

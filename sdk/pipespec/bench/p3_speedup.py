@@ -36,10 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # run as a script: make ``bench`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import (  # noqa: E402
+from pipespec.bench.common import (
     Result,
     append_jsonl,
     cli_json,
@@ -51,7 +48,7 @@ from bench.common import (  # noqa: E402
     save_plot,
     write_json,
 )
-from bench.run_order import balanced_order, lead_in  # noqa: E402
+from pipespec.bench.run_order import balanced_order, lead_in
 
 NAME = "p3"
 DESCRIPTION = "speedup: tokens/s with EAGLE3 / with --num-spec-tokens 0, PP=2 (plus a 70B projection on GPU)"
@@ -98,7 +95,7 @@ def policy_runs(cs: Sequence[int], control: bool = False) -> list[tuple[int, int
 
 def interleaved(runs: Sequence[tuple[int, int, str]], repeats: int) -> list[tuple[tuple[int, int, str], bool]]:
     """``(run, measured)`` pairs: ``runs`` ``repeats`` times, one c after another, each c's variants in a
-    carry-over balanced order (``bench.run_order``: every variant at every place, and after every other
+    carry-over balanced order (``pipespec.bench.run_order``: every variant at every place, and after every other
     variant, equally often) after one unmeasured lead-in run of the same c (with ``repeats`` > 1).
 
     Order effects, not the variants' own: a variant that always ran third after two others measured ~10 %
@@ -360,7 +357,7 @@ def pooled(paths: Sequence[Path], command: str) -> list[Result]:
                 c, k, policy, generated = int(row["c"]), int(row["k"]), str(row["spec_policy"]), row["generate"]
                 float(generated["tokens_per_s"])  # a run without its rate is not a run
             except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{number}: not a run of bench/p3_speedup.py ({type(exc).__name__}: {exc})") from None
+                raise ValueError(f"{path}:{number}: not a run of pipespec.bench.p3_speedup ({type(exc).__name__}: {exc})") from None
             settings = {name: row.get(name) for name in POOLED_FIELDS}
             machines.add(str(row.get("machine") or row.get("device")))  # runs before the "machine" field: the device
             first = first or settings
@@ -379,7 +376,7 @@ def pooled(paths: Sequence[Path], command: str) -> list[Result]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python3 bench/p3_speedup.py --policy ...``: the policy rows alone, at any PP, c and repeats."""
+    """``python -m pipespec.bench.p3_speedup --policy ...``: the policy rows alone, at any PP, c and repeats."""
     import argparse
 
     parser = argparse.ArgumentParser(description="P3 policy rows: adaptive / the better of always and plain decoding")
@@ -399,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "same settings), written to OUT/p3_policy_pooled.json")
     parser.add_argument("--out", required=True, help="directory for p3_policy.json and p3_runs.jsonl")
     args = parser.parse_args(argv)
-    command = "python3 bench/p3_speedup.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m pipespec.bench.p3_speedup " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.pool:
         try:
             results = pooled(args.pool, command)

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import Result, device_name, save_plot
+from pipespec.bench.common import Result, device_name, save_plot
 from pipespec.pp.launch import StageContext
 
 NAME = "soak"

@@ -4,8 +4,8 @@
 A diagnostic, not a goal: it answers "why is this configuration slower than that one" (for example a
 plain round inside a drafting run against a round of a ``--num-spec-tokens 0`` run). Usage::
 
-    python3 bench/phases.py --device cuda --out DIR [--pair DIR] [--c 1,8] [--k 0,3] [--tokens 128]
-                            [--variants "--cuda-graphs off;--cuda-graphs auto"]
+    python -m pipespec.bench.phases --device cuda --out DIR [--pair DIR] [--c 1,8] [--k 0,3] [--tokens 128]
+                                    [--variants "--cuda-graphs off;--cuda-graphs auto"]
 
 ``--variants``: ``;``-separated sets of extra ``generate`` options, each run for every (c, k, policy).
 
@@ -23,9 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-
-from common import append_jsonl, cli_json, heldout_prompts, pair_dirs  # noqa: E402
+from pipespec.bench.common import append_jsonl, cli_json, heldout_prompts, pair_dirs
 
 
 def _pair(pair: str | None) -> tuple[Path, Path]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.common import Result, device_name
+from pipespec.bench.common import Result, device_name
 
 NAME = "p5"
 DESCRIPTION = "stage-scoped loading: bytes read per stage / checkpoint bytes, peak RSS per stage"
@@ -88,7 +88,6 @@ def _checkpoints(quick: bool, work: Path) -> list[tuple[str, Path, list[int]]]:
 def run(quick: bool, device: str, command: str) -> list[Result]:
     from pipespec.pp.launch import run_stages
 
-    os.environ.setdefault("PIPESPEC_BENCH_DIR", str(Path(__file__).resolve().parents[1]))
     dev = device_name(device)
     results: list[Result] = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("PIPESPEC_BENCH_OUT")) as tmp:

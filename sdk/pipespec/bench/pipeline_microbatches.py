@@ -24,7 +24,7 @@ draft, which makes it the busiest stage.
 
 Goal (issue 7): ≥ 1.7× on GPU (ideal 2×).
 
-``python3 bench/pipeline_microbatches.py --device cuda --shape large --c 8,32,128 --prompt-len 48
+``python -m pipespec.bench.pipeline_microbatches --device cuda --shape large --c 8,32,128 --prompt-len 48
 --out DIR`` runs the same side-by-side measurement as a sweep outside the goal's cases: a model shape
 (``SHAPES``: ``large`` is a 2B-parameter Llama-3-8B-like slice, 8 layers of H = 4096, written in
 bf16), any concurrencies, and prompts of a fixed length (long prompts make a decode round's attention,
@@ -44,10 +44,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # run as a script: make ``bench`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import (  # noqa: E402
+from pipespec.bench.common import (
     Result,
     append_jsonl,
     cli_json,
@@ -243,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--c, --tokens, --repeats and --prompt-len must be >= 1, --k >= 0")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = "python3 bench/pipeline_microbatches.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m pipespec.bench.pipeline_microbatches " + " ".join(sys.argv[1:] if argv is None else argv)
     max_positions = max(512, 2 * ((args.prompt_len or 24) + args.tokens + 2 * args.k + 2))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.model_dir) if args.model_dir else Path(tmp)

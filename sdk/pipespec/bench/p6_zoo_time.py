@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import Result, device_name
+from pipespec.bench.common import Result, device_name
 
 NAME = "p6"
 DESCRIPTION = "the zoo's wall time (pipespec zoo --json, 2 jobs)"

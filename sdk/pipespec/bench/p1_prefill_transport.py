@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.common import Result, device_name, save_plot
+from pipespec.bench.common import Result, device_name, save_plot
 
 NAME = "p1"
 DESCRIPTION = "prefill transport overhead: step time with 3 aux states / without (relay vs overlap)"
@@ -199,7 +199,6 @@ def run(quick: bool, device: str, command: str) -> list[Result]:
     from pipespec.pp.launch import run_stages
 
     cfg = config_for(quick, device)
-    os.environ.setdefault("PIPESPEC_BENCH_DIR", str(Path(__file__).resolve().parents[1]))
     stages = run_stages(_stage, cfg, cfg.pp, device_type=device, timeout_s=600)
     last = stages[-1]
     dev = device_name(device)

@@ -15,16 +15,14 @@ Goal (issue 5): packed ÷ none ≤ 1.2 for every T ≤ 64.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import Result, device_name
+from pipespec.bench.common import Result, device_name
 
 NAME = "p2"
 DESCRIPTION = "decode-step hop with 3 aux states / without (packed), and 4 separate sends vs 1 packed"
@@ -106,7 +104,6 @@ def run(quick: bool, device: str, command: str) -> list[Result]:
     from pipespec.pp.launch import run_stages
 
     cfg = config_for(quick, device)
-    os.environ.setdefault("PIPESPEC_BENCH_DIR", str(Path(__file__).resolve().parents[1]))
     stage0 = run_stages(_stage, cfg, 2, device_type=device, timeout_s=300)[0]
     dev = device_name(device)
     results = []

@@ -14,7 +14,7 @@ import types
 import torch
 from torch import nn
 
-from bench.common import Result, device_name, median_time
+from pipespec.bench.common import Result, device_name, median_time
 from pipespec.contract.intermediate import IntermediateTensors
 from pipespec.contract.mixin import AuxHiddenStatesMixin
 

@@ -149,7 +149,7 @@ def heldout_prompts(target: Path, count: int, length: int) -> list[list[int]] | 
         tokenizer = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
     except Exception:  # noqa: BLE001 - no (loadable) tokenizer in the directory
         return None
-    from bench.demo_training.corpus import eval_prompts, load_corpus
+    from pipespec.bench.corpus import eval_prompts, load_corpus
 
     _, held, _ = load_corpus(max_chars=0)
     ids = eval_prompts(tokenizer, held, count, length, seed=0)
