@@ -128,6 +128,12 @@ def generate(target: Path, draft: Path, *extra: str, prompt: tuple[str, ...] = (
             "--max-new-tokens", "2", "--timeout", "60", *extra]
 
 
+def no_cuda_here() -> None:
+    """Skip a case that needs a machine without a visible CUDA device (returns None, so ``or`` chains it)."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible here: --device cuda is not refused")
+
+
 def edit_tensors(directory: Path, fn: Callable[[dict[str, torch.Tensor]], None], file: str = "model.safetensors") -> None:
     tensors = load_file(str(directory / file))
     fn(tensors)
@@ -286,6 +292,8 @@ CASES = [
     Case("cli-non-numeric-layers", layout("--num-layers", "lots", "--pp", "2"), 2, r"invalid int value: 'lots'"),
     Case("cli-aux-id-above-n", layout("--num-layers", "8", "--pp", "2", "--aux-layers", "2,9"), 2, r"aux layer id 9 is out of range"),
     Case("cli-aux-id-negative", layout("--num-layers", "8", "--pp", "2", "--aux-layers=-1,2"), 2, r"aux layer id -1 is out of range"),
+    Case("cli-aux-id-negative-spaced", layout("--num-layers", "8", "--pp", "2", "--aux-layers", "-1,5"), 2,
+         r"aux layer id -1 is out of range: ids must satisfy 0 <= id <= num_layers \(8\)"),
     Case("cli-boundary-violation", layout("--num-layers", "8", "--pp", "2", "--aux-layers", "4", "--boundary-rule", "reject-at-stage-end"),
          2, r"aux layer id 4 ends stage 0"),
     Case("cli-conflicting-flags", lambda env: ["verify", "--architecture", "LlamaForCausalLM", "--class", "a:B", "--pp", "1"], 2,
@@ -311,6 +319,10 @@ CASES = [
         "--prompts-file", str(write(env, "p.jsonl", b'{"prompt_ids": [1, 2]}\n{oops\n')))), 2, r"p\.jsonl:2: not a JSON object"),
     Case("gen-prompt-ids-negative", lambda env: generate(env.ck["target"], env.ck["draft_b"], prompt=("--prompt-ids=-1,2",)), 2,
          r"--prompt-ids: prompt_ids must be a non-empty list of non-negative integers, got \[-1, 2\]"),
+    Case("gen-prompt-ids-negative-spaced", lambda env: generate(env.ck["target"], env.ck["draft_b"], prompt=("--prompt-ids", "-1,2")),
+         2, r"--prompt-ids: prompt_ids must be a non-empty list of non-negative integers, got \[-1, 2\]"),
+    Case("gen-device-cuda-unavailable", lambda env: no_cuda_here() or generate(env.ck["target"], env.ck["draft_b"], "--device", "cuda"),
+         2, r"--device cuda: torch \S+ (is a CPU-only build|\(CUDA \S+\) sees no CUDA device); use --device cpu"),
     # --- target checkpoints ---
     Case("ckpt-target-missing-dir", lambda env: generate(env.tmp / "nope", env.ck["draft_b"]), 1,
          r"checkpoint directory \S+/nope does not exist"),
