@@ -139,6 +139,13 @@ def test_every_option_has_help_that_cites_no_file_a_pip_user_lacks():
     assert len(sub.choices) == len(COMMANDS)  # every command was built (none skipped for a missing module)
 
 
+def test_zoo_prints_no_transformers_deprecation_warning():
+    r = run("zoo", "--model-types", "llama", "--pp", "1,2")
+    assert r.returncode == 0, r.stderr
+    assert "llama       verified" in r.stdout
+    assert "deprecated" not in r.stderr, r.stderr  # transformers' past_key_values warning (issue 33)
+
+
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
     from pipespec.engine.tiny_checkpoints import write_tiny_target
