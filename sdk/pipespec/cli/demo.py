@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         raise PipespecError("--pair shipped: this installation ships no trained demo pair in pipespec/demo/")
     if shipped is not None:
         target, draft = shipped
-        kind = "trained demo pair (pipespec/demo, bench/train_demo.py)"
+        kind = "trained demo pair shipped in pipespec/demo (the source repository's bench/train_demo.py trains it)"
         requests = tuple(
             build_requests(str(target), prompt=p, max_new_tokens=args.max_new_tokens)[0] for p in SHIPPED_PROMPTS
         )
