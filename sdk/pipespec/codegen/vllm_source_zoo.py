@@ -28,7 +28,6 @@ from an installed vLLM. Nothing here imports vLLM, torch, or the code it reads.
 from __future__ import annotations
 
 import ast
-import enum
 import multiprocessing
 import re
 import time
@@ -44,11 +43,12 @@ from pipespec.contract.names import AUX_OVER_PP_FLAG, VLLM_EAGLE3_INTERFACE, VLL
 from pipespec.errors import UsageError
 from pipespec.integrations.vllm.sources import MODELS, source_tree
 from pipespec.integrations.vllm.support import AUX_CALLS, judge_decoder_source
+from pipespec.str_enum import StrEnum
 
 MODEL_DIRS = (MODELS, Path("models"))
 
 
-class Status(enum.Enum):
+class Status(StrEnum):
     """A decoder's outcome, from best to worst for a user of that release."""
 
     UNCHANGED = "unchanged"

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipespec.errors import PipespecError, UnsupportedModelError, UsageError
+from pipespec.integrations.verdict import Verdict
 from pipespec.integrations.vllm import compat
 from pipespec.integrations.vllm.adapted_modules import adapted_module_name, install_finder
 from pipespec.integrations.vllm.support import judge_vllm_class
@@ -35,10 +36,13 @@ class Decision:
 
     architecture: str
     cls: str  # module:Class vLLM resolves the architecture to
-    decision: str  # "supported" | "adapt" | "refuse" | "skip" (no method that reads aux states asked for)
+    decision: Verdict
     reason: str
     spec: str | None = None  # the adapter spec behind "adapt": "built-in gemma2", "inferred", ...
     target: str | None = None  # module:Class of the adapted class ("adapt" only)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decision", Verdict(self.decision))  # a plain "refuse" becomes Verdict.REFUSE
 
     def as_json(self) -> dict[str, Any]:
         """DESIGN.md's CLI contract: architecture, class, decision, reason, spec."""
@@ -70,8 +74,8 @@ def decide(architecture: str, cls: type, method: str = "eagle3", pp: int = 1) ->
     path = _class_path(cls)
     release = compat.current()
     if not release.method_uses_aux(method):
-        return Decision(architecture, path, "skip", f"{method!r} reads no aux hidden states in vLLM {release.name} "
-                                                    f"({', '.join(release.AUX_METHODS)} do)")
+        return Decision(architecture, path, Verdict.SKIP, f"{method!r} reads no aux hidden states in vLLM "
+                                                          f"{release.name} ({', '.join(release.AUX_METHODS)} do)")
     from pipespec.integrations.vllm import transformers_backend
 
     if transformers_backend.is_backend_class(cls):  # no decoder source to rewrite: pipespec's subclass instead
@@ -86,42 +90,44 @@ def decide(architecture: str, cls: type, method: str = "eagle3", pp: int = 1) ->
         if not over_pp.supported and over_pp.supported_by is not None and not over_pp.opted_out:
             before, drops_aux = over_pp, True
     if before.supported:
-        return Decision(architecture, path, "supported", before.message(method, cls.__name__))
+        return Decision(architecture, path, Verdict.SUPPORTED, before.message(method, cls.__name__))
     head = f"{cls.__name__} does not support {_needs(method, pp)}: {before.reason}"
     if before.opted_out:
-        return Decision(architecture, path, "refuse", f"{head}; the class opts out itself, so pipespec leaves it alone")
+        return Decision(architecture, path, Verdict.REFUSE, f"{head}; the class opts out itself, so pipespec leaves it alone")
     name = adapted_module_name(cls.__module__, cls.__name__, architecture)
     try:
         built = install_finder().built(name)
     except PipespecError as exc:
-        return _vllm_own_or_refuse(architecture, cls, pp, drops_aux, f"{head}; pipespec cannot adapt it: {exc}")
+        return _vllm_own_or_refuse(architecture, cls, pp, drops_aux, head, f"pipespec cannot adapt it: {exc}")
     if built.status != "adapted":
         why = built.reason or "the codemod left its decoder unchanged"
-        return _vllm_own_or_refuse(architecture, cls, pp, drops_aux,
-                                   f"{head}; pipespec cannot adapt it: {built.status} ({why})", built.spec.label)
+        return _vllm_own_or_refuse(architecture, cls, pp, drops_aux, head,
+                                   f"pipespec cannot adapt it: {built.status} ({why})", built.spec.label)
     adapted = getattr(install_finder().import_adapted(name), cls.__name__)
     # Checked at PP >= 2 even for a PP = 1 run: the adapted class must also serve plain pipelines.
     after = judge_vllm_class(adapted, pp=max(pp, 2))
     if not after.supported:
-        return Decision(architecture, path, "refuse",
+        return Decision(architecture, path, Verdict.REFUSE,
                         f"{head}; pipespec's adaptation of {built.source_file} fails the check: {after.reason}",
                         built.spec.label)
-    return Decision(architecture, path, "adapt", f"{head}; adapted from {built.source_file}", built.spec.label,
+    return Decision(architecture, path, Verdict.ADAPT, f"{head}; adapted from {built.source_file}", built.spec.label,
                     f"{name}:{cls.__name__}")
 
 
-def _vllm_own_or_refuse(architecture: str, cls: type, pp: int, drops_aux: bool, refusal: str,
+def _vllm_own_or_refuse(architecture: str, cls: type, pp: int, drops_aux: bool, head: str, cannot_adapt: str,
                         spec: str | None = None) -> Decision:
     """At PP = 1 a class vLLM itself gives ``SupportsEagle3`` (e.g. the Transformers backend, which captures
     through hooks, not through an ``EagleModelMixin`` decoder) is left to vLLM when pipespec cannot adapt
-    it — unless its forward is known to drop aux states (``drops_aux``), which would fail mid-run."""
+    it — unless its forward is known to drop aux states (``drops_aux``), which would fail mid-run.
+
+    ``head`` says what the class lacks, ``cannot_adapt`` why pipespec cannot adapt it."""
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     if pp == 1 and not drops_aux and supports_eagle3(cls):
-        return Decision(architecture, _class_path(cls), "supported",
+        return Decision(architecture, _class_path(cls), Verdict.SUPPORTED,
                         f"{cls.__name__} implements vLLM's SupportsEagle3 (PP = 1; pipespec leaves it to vLLM: "
-                        f"{refusal.partition('; ')[2]})")
-    return Decision(architecture, _class_path(cls), "refuse", refusal, spec)
+                        f"{cannot_adapt})")
+    return Decision(architecture, _class_path(cls), Verdict.REFUSE, f"{head}; {cannot_adapt}", spec)
 
 
 def v2_runner_available(vllm_config: Any | None = None) -> bool:
@@ -175,9 +181,9 @@ def apply_to_engine_config(vllm_config: Any) -> Decision | None:
     if parse_target(model_config.model_class_overrides.get(architecture)):
         return None  # already applied to this config (create_engine_config called twice)
     decision = decide(architecture, cls, method, pp)
-    if decision.decision == "refuse":
+    if decision.decision is Verdict.REFUSE:
         raise UnsupportedModelError(decision.reason)
-    if decision.decision != "adapt" or decision.target is None:
+    if decision.decision is not Verdict.ADAPT or decision.target is None:
         return decision
     model_config.model_class_overrides[architecture] = decision.target
     ModelRegistry.register_model(architecture, decision.target)
@@ -210,7 +216,7 @@ def verify_architecture(architecture: str | None, method: str, pp: int, cls: typ
         assert architecture is not None
         entry = ModelRegistry.models.get(architecture)
         if entry is None:
-            return Decision(architecture, "", "refuse",
+            return Decision(architecture, "", Verdict.REFUSE,
                             f"{architecture} is not an architecture of vLLM {_vllm_version()} (nor of any loaded vLLM "
                             "plugin): check the spelling (config.json's `architectures`), or register the model with "
                             "ModelRegistry.register_model")
@@ -218,12 +224,12 @@ def verify_architecture(architecture: str | None, method: str, pp: int, cls: typ
             cls = entry.load_model_cls()
         except Exception as exc:  # e.g. a multimodal model whose processor needs torchvision
             where = f"{getattr(entry, 'module_name', '?')}:{getattr(entry, 'class_name', architecture)}"
-            return Decision(architecture, where, "refuse",
+            return Decision(architecture, where, Verdict.REFUSE,
                             f"{architecture}: vLLM's class {where} cannot be imported here ({type(exc).__name__}: "
                             f"{exc}), so pipespec can neither check nor adapt it; install what it needs and retry")
     name = architecture or cls.__name__
     if compat.current().method_uses_aux(method) and pp > 1 and not v2_runner_available():
-        return Decision(name, _class_path(cls), "refuse", runner_refusal(method, pp))
+        return Decision(name, _class_path(cls), Verdict.REFUSE, runner_refusal(method, pp))
     return decide(name, cls, method, pp)
 
 

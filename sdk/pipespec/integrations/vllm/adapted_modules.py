@@ -56,7 +56,7 @@ class SpecChoice:
     label: str  # "built-in gemma2", "PIPESPEC_ADAPTERS_PATH my.toml", "@pipespec.adapter foo", "inferred"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AdaptedSource:
     """One adapted module's source and what the codemod said about the requested class."""
 
@@ -204,8 +204,10 @@ def build_adapted_source(module_name: str) -> AdaptedSource:
         return _MEMO[key]
     cache_file = _cache_path(module_name, key)
     if cache_file is not None and cache_file.is_file():  # written by an earlier process: only adapted code is
-        built = AdaptedSource(module_name, original, class_name, architecture, cache_file.read_text(encoding="utf-8"),
-                              source_file, spec, "adapted", "", cache_file, key)
+        built = AdaptedSource(module_name=module_name, original_module=original, class_name=class_name,
+                              architecture=architecture, code=cache_file.read_text(encoding="utf-8"),
+                              source_file=source_file, spec=spec, status="adapted", reason="", cache_file=cache_file,
+                              key=key)
     else:
         built = _run_codemod(module_name, original, class_name, architecture, source, source_file, spec, key, cache_file)
     _MEMO[key] = built
@@ -233,8 +235,9 @@ def _run_codemod(module_name: str, original: str, class_name: str, architecture:
         cache_file = cache_file if _write_atomically(cache_file, code) else None
     else:
         cache_file = None
-    return AdaptedSource(module_name, original, class_name, architecture, code, source_file, spec,
-                         outcome.status, outcome.reason, cache_file, key)
+    return AdaptedSource(module_name=module_name, original_module=original, class_name=class_name,
+                         architecture=architecture, code=code, source_file=source_file, spec=spec,
+                         status=outcome.status, reason=outcome.reason, cache_file=cache_file, key=key)
 
 
 class AdaptedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

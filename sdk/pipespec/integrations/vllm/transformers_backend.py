@@ -49,6 +49,7 @@ from torch import nn
 from pipespec.contract.layout import StagePlan, plan_layout
 from pipespec.contract.names import AUX_KEY_PREFIX, AUX_OVER_PP_FLAG
 from pipespec.errors import UsageError
+from pipespec.integrations.verdict import Verdict
 from pipespec.integrations.vllm import compat
 
 __all__ = ["BACKEND_PACKAGE", "SPEC_LABEL", "BackendVerdict", "TransformersAuxOverPP", "adapted_class",
@@ -262,9 +263,9 @@ def _kind(cls: type) -> str:
 
 @dataclass(frozen=True)
 class BackendVerdict:
-    """What the plugin does for a Transformers-backend class: "supported" | "adapt" | "refuse"."""
+    """What the plugin does for a Transformers-backend class: supported, adapt or refuse."""
 
-    decision: str
+    decision: Verdict
     reason: str
     spec: str | None = None
     target: str | None = None  # module:Class of the adapted class ("adapt" only)
@@ -274,24 +275,24 @@ def backend_verdict(cls: type, method: str, pp: int) -> BackendVerdict:
     """The plugin's decision for ``cls``, a class of vLLM's Transformers backend (``is_backend_class``)."""
     needs = f"{method} with pipeline parallelism" if pp > 1 else method
     if issubclass(cls, TransformersAuxOverPP):
-        return BackendVerdict("supported", f"{cls.__name__} is pipespec's Transformers-backend subclass: it captures "
-                                           "id 0 and packs, collects and concatenates aux states per stage")
+        return BackendVerdict(Verdict.SUPPORTED, f"{cls.__name__} is pipespec's Transformers-backend subclass: it "
+                                                 "captures id 0 and packs, collects and concatenates aux states per stage")
     kind = _kind(cls)
     if kind == "multimodal":
         why = (f"{cls.__name__} nests its text decoder in a transformers sub-model, whose outputs transformers records "
                "through that sub-model's own registry; pipespec's subclass covers the text-only backend classes")
         if pp == 1:
-            return BackendVerdict("supported", f"{cls.__name__} implements vLLM's SupportsEagle3 (PP = 1; pipespec "
-                                               f"leaves it to vLLM: {why})")
-        return BackendVerdict("refuse", f"{cls.__name__} does not support {needs}: {why}. Run it at PP=1")
+            return BackendVerdict(Verdict.SUPPORTED, f"{cls.__name__} implements vLLM's SupportsEagle3 (PP = 1; "
+                                                     f"pipespec leaves it to vLLM: {why})")
+        return BackendVerdict(Verdict.REFUSE, f"{cls.__name__} does not support {needs}: {why}. Run it at PP=1")
     if kind == "other":
-        return BackendVerdict("refuse", f"{cls.__name__} does not support {needs}: it is not a causal language model "
-                                        "of vLLM's Transformers backend")
+        return BackendVerdict(Verdict.REFUSE, f"{cls.__name__} does not support {needs}: it is not a causal language "
+                                              "model of vLLM's Transformers backend")
     backend = _backend_class_of(cls)
     if backend is not cls:
-        return BackendVerdict("refuse", f"{cls.__name__} does not support {needs}: it derives from vLLM's "
-                                        f"{backend.__name__}, and pipespec adapts vLLM's own backend classes only; "
-                                        f"derive it from {__name__}.{CLASS_PREFIX}{backend.__name__} instead")
+        return BackendVerdict(Verdict.REFUSE, f"{cls.__name__} does not support {needs}: it derives from vLLM's "
+                                              f"{backend.__name__}, and pipespec adapts vLLM's own backend classes only; "
+                                              f"derive it from {__name__}.{CLASS_PREFIX}{backend.__name__} instead")
     target = f"{__name__}:{CLASS_PREFIX}{cls.__name__}"
     if pp > 1:
         why = (f"{cls.__name__} does not support {needs}: on a non-last rank vLLM's Transformers backend returns "
@@ -301,7 +302,7 @@ def backend_verdict(cls: type, method: str, pp: int) -> BackendVerdict:
         why = (f"{cls.__name__} records {method} aux states at `_layer_names[id - 1]`, so a draft asking for id 0 "
                "(the embeddings) fails at load, and it cannot relay them over PP")
     reason = f"{why}; adapted as {target}"
-    return BackendVerdict("adapt", reason, SPEC_LABEL, target)
+    return BackendVerdict(Verdict.ADAPT, reason, SPEC_LABEL, target)
 
 
 def resolve_backend_class(architecture: str) -> type:

@@ -41,10 +41,22 @@ from pipespec.integrations.vllm.pp_ranks import (
 )
 from pipespec.integrations.vllm.reference_stream import ATOL
 from pipespec.integrations.vllm.zoo_workers import WorkerPool
+from pipespec.str_enum import StrEnum
 
-__all__ = ["ENVIRONMENT_ERRORS", "FLAG_CLASSES", "STATUSES", "ZooResult", "decoder_files", "inherited_flag_verdicts", "run_vllm_zoo"]
+__all__ = ["ENVIRONMENT_ERRORS", "FLAG_CLASSES", "STATUSES", "VllmZooStatus", "ZooResult", "decoder_files",
+           "inherited_flag_verdicts", "run_vllm_zoo"]
 
-STATUSES = ("verified", "supported", "declined", "failed")
+
+class VllmZooStatus(StrEnum):
+    """A decoder's outcome in ``pipespec zoo --engine vllm`` (its JSON ``"status"``), from best to worst."""
+
+    VERIFIED = "verified"  # adapted by the codemod and checked numerically at PP=1, 2 and 3
+    SUPPORTED = "supported"  # right in vLLM as released (the codemod leaves it unchanged), checked the same way
+    DECLINED = "declined"  # the codemod declines its forward (the reason names the construct)
+    FAILED = "failed"  # built or adapted, but wrong, crashed or not checkable here (the reason says which)
+
+
+STATUSES = tuple(VllmZooStatus)
 #: The inherited-flag classes of issue 14, judged by ``pipespec.integrations.vllm.support``.
 FLAG_CLASSES = (
     ("vllm.model_executor.models.qwen3_vl", "Qwen3LLMModel"),
@@ -60,7 +72,7 @@ class ZooResult:
 
     file: str
     class_name: str
-    status: str
+    status: VllmZooStatus
     reason: str
     codemod: str = ""  # adapted | unchanged | declined
     causal_lm: str = ""
@@ -75,6 +87,9 @@ class ZooResult:
     max_abs_err_pp3: float | None = None
     sends_pp3_stage0: tuple[str, ...] = ()
     sends_pp3_stage1: tuple[str, ...] = ()  # the relaying middle rank: relayed keys, then its own
+
+    def __post_init__(self) -> None:
+        self.status = VllmZooStatus(self.status)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -184,7 +199,7 @@ def _check(pool: WorkerPool, job: Job, row: ZooResult) -> None:
     """Fill ``row`` from the PP=1, PP=2 and PP=3 checks of ``job``."""
     kind, answer = pool.ask("pp1", ("pp1", (job,)))
     if kind != "ok":  # a mismatch names its check itself ("PP=1: aux id ...", "... at PP=1")
-        row.status, row.reason = "failed", answer if kind == "mismatch" else _environment(f"PP=1: {answer}")
+        row.status, row.reason = VllmZooStatus.FAILED, answer if kind == "mismatch" else _environment(f"PP=1: {answer}")
         return
     n, ids, reference = answer["num_layers"], tuple(answer["ids"]), answer["reference"]
     row.num_layers, row.aux_layers, row.max_abs_err_pp1 = n, ids, answer["max_abs_err"]
@@ -195,13 +210,13 @@ def _check(pool: WorkerPool, job: Job, row: ZooResult) -> None:
         row.partition_pp3, row.aux_layers_pp3 = partition, pp3_ids(n, partition)
         pp3 = _pipeline(pool, job, row.aux_layers_pp3, n, 3, partition, reference)
     except (PipelineError, ValueError) as exc:
-        row.status, row.reason = "failed", str(exc) if isinstance(exc, PipelineError) else f"PP=3: {exc}"
+        row.status, row.reason = VllmZooStatus.FAILED, str(exc) if isinstance(exc, PipelineError) else f"PP=3: {exc}"
         return
     row.max_abs_err_pp3 = pp3.error
     row.sends_pp3_stage0, row.sends_pp3_stage1 = pp3.run.sends(0), pp3.run.sends(1)
     relayed = pp3.run.plan.stage(1).relays
     own = [k for k in row.sends_pp3_stage1 if k not in relayed]
-    row.status = "verified" if job.code is not None else "supported"
+    row.status = VllmZooStatus.VERIFIED if job.code is not None else VllmZooStatus.SUPPORTED
     row.reason = (f"PP=1, PP=2 and PP=3 aux states equal the residual stream (ids {list(ids)}; PP=3: partition "
                   f"{list(partition)}, ids {list(row.aux_layers_pp3)}); PP=2 rank 0 sends {_keys(row.sends_stage0)}; "
                   f"PP=3 rank 1 relays {_keys(relayed)} and sends its own {_keys(own)}")
@@ -390,9 +405,10 @@ def run_vllm_zoo(files: Sequence[str], progress: Any | None = None) -> list[ZooR
             progress.start(len(decoders))
         results = []
         for rel, outcome, code, source in decoders:
-            row = ZooResult(file=rel, class_name=outcome.class_name, status="failed", reason="", codemod=outcome.status)
+            row = ZooResult(file=rel, class_name=outcome.class_name, status=VllmZooStatus.FAILED, reason="",
+                            codemod=outcome.status)
             if outcome.status == "declined":
-                row.status, row.reason = "declined", outcome.reason
+                row.status, row.reason = VllmZooStatus.DECLINED, outcome.reason
             elif outcome.status == "adapted" and code is None:
                 row.reason = "the codemod says adapted but returned the source unchanged"
             else:

@@ -36,10 +36,20 @@ from pipespec.integrations.transformers.zoo.reference import (
 from pipespec.integrations.transformers.zoo.shapes import classify_forward_shape
 from pipespec.integrations.transformers.zoo.stages import InProcessPipeline, uneven_partition, zoo_aux_ids
 from pipespec.integrations.transformers.zoo.tiny import TinyBuildError, TinyModel, build_tiny_model
+from pipespec.str_enum import StrEnum
 
-__all__ = ["STATUSES", "ZooResult", "run_type", "short_error"]
+__all__ = ["STATUSES", "ZooResult", "ZooStatus", "run_type", "short_error"]
 
-STATUSES = ("verified", "declined", "failed")
+
+class ZooStatus(StrEnum):
+    """A model type's outcome in ``pipespec zoo`` (its JSON ``"status"``), from best to worst."""
+
+    VERIFIED = "verified"  # adapted, and every stage split equals the unadapted model
+    DECLINED = "declined"  # a forward shape the codemod does not rewrite (the reason names it)
+    FAILED = "failed"  # adapted or built, but wrong or crashed: a bug to look at
+
+
+STATUSES = tuple(ZooStatus)
 
 
 @dataclass
@@ -47,7 +57,7 @@ class ZooResult:
     """The outcome for one model type; ``to_json`` is the DESIGN.md contract of ``pipespec zoo --json``."""
 
     model_type: str
-    status: str
+    status: ZooStatus
     reason: str = ""
     max_abs_err: float | None = None
     max_rel_err: float | None = None
@@ -60,6 +70,9 @@ class ZooResult:
     hf_last_is_post_norm: bool | None = None  # HF hidden_states[-1] == last_hidden_state
     seconds: float = 0.0
     details: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.status = ZooStatus(self.status)
 
     def to_json(self) -> dict[str, Any]:
         return {"model_type": self.model_type, "status": self.status, "reason": self.reason, "max_abs_err": self.max_abs_err}
@@ -101,13 +114,13 @@ def run_type(model_type: str, pp_sizes: Sequence[int] = (1, 2, 3), seed: int = 0
     ``pipespec.integrations.transformers.stage_cache`` cache, against the unadapted model decoding with its own cache.
     """
     start = time.perf_counter()
-    result = ZooResult(model_type=model_type, status="declined")
+    result = ZooResult(model_type=model_type, status=ZooStatus.DECLINED)
     try:
         _run_type(result, pp_sizes, seed, decode_steps)
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - one type must never kill the run
-        result.status = "failed"
+        result.status = ZooStatus.FAILED
         result.reason = f"zoo runner error: {short_error(exc)}{_where(exc)}"
     result.seconds = time.perf_counter() - start
     return result
@@ -152,7 +165,7 @@ def _adapt_decoder(result: ZooResult, seed: int) -> tuple[TinyModel, torch.nn.Mo
         result.reason = str(exc)
         return None
     except Exception as exc:  # noqa: BLE001 - the codemod crashed on real source: a bug to report
-        result.status = "failed"
+        result.status = ZooStatus.FAILED
         result.reason = f"adapt({decoder_cls.__name__}) crashed: {short_error(exc)}{_where(exc)}"
         return None
     return tiny, decoder, adapted
@@ -179,7 +192,7 @@ def _subject(
     template = _make_adapted_instance(adapted, decoder)
     declared = template.pipespec_num_layers()  # type: ignore[operator]
     if declared != num_layers:
-        result.status = "failed"
+        result.status = ZooStatus.FAILED
         result.reason = f"adapted {adapted.__name__} counts {declared} layers but the stack has {num_layers}"
         return None
     has_residual = bool(getattr(adapted, HAS_RESIDUAL_ATTR, False))
@@ -213,14 +226,14 @@ def _check_pipelines(result: ZooResult, subject: _Subject, pp_sizes: Sequence[in
         try:
             problems, abs_err, rel_err = _agreement(subject, pp_size, partition, aux_ids)
         except Exception as exc:  # noqa: BLE001 - crashed after adapting: a bug
-            result.status = "failed"
+            result.status = ZooStatus.FAILED
             result.reason = f"P={pp_size} partition {partition}: stage forward crashed: {short_error(exc)}{_where(exc)}"
             result.max_abs_err = worst_abs if checked else None
             return
         worst_abs, worst_rel = max(worst_abs, abs_err), max(worst_rel, rel_err)
         checked.append(pp_size)
         if problems:
-            result.status = "failed"
+            result.status = ZooStatus.FAILED
             result.reason = f"P={pp_size} partition {partition} aux ids {aux_ids}: " + "; ".join(problems[:3])
             result.max_abs_err, result.max_rel_err = worst_abs, worst_rel
             result.pp_sizes = tuple(checked)
@@ -228,7 +241,7 @@ def _check_pipelines(result: ZooResult, subject: _Subject, pp_sizes: Sequence[in
     if not checked:
         result.reason = f"no requested pipeline size fits {num_layers} layers (asked for P={','.join(map(str, pp_sizes))})"
         return
-    result.status = "verified"
+    result.status = ZooStatus.VERIFIED
     result.pp_sizes = tuple(checked)
     result.max_abs_err, result.max_rel_err = worst_abs, worst_rel
     result.reason = f"{_shown_source(subject.spec.source)}; P={','.join(map(str, checked))}" + (

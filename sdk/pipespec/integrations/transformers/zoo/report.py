@@ -10,7 +10,7 @@ import collections
 from collections.abc import Sequence
 from typing import Any
 
-from pipespec.integrations.transformers.zoo.check import STATUSES
+from pipespec.integrations.transformers.zoo.check import STATUSES, ZooStatus
 from pipespec.integrations.transformers.zoo.fixes import FIXES
 from pipespec.integrations.transformers.zoo.shapes import SHAPES
 
@@ -27,7 +27,7 @@ def format_table(results: Sequence[Any]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in rows]
     counts = collections.Counter(r.status for r in results)
-    lines.append(f"{len(results)} types: " + ", ".join(f"{counts[s]} {s}" for s in ("verified", "declined", "failed")))
+    lines.append(f"{len(results)} types: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES))
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -107,22 +107,23 @@ def _counts(results: Sequence[Any]) -> list[str]:
     out += [f"| **total** | **{len(results)}** |", "", "| forward shape | types | verified | declined | failed |", "|---|---|---|---|---|"]
     for key, label in SHAPES.items():
         c = by_shape.get(key, collections.Counter())
-        out.append(f"| {label} | {sum(c.values())} | {c['verified']} | {c['declined']} | {c['failed']} |")
+        verified, declined, failed = (c[s] for s in (ZooStatus.VERIFIED, ZooStatus.DECLINED, ZooStatus.FAILED))
+        out.append(f"| {label} | {sum(c.values())} | {verified} | {declined} | {failed} |")
     return out
 
 
 def _goals(results: Sequence[Any]) -> list[str]:
-    failed = sum(r.status == "failed" for r in results)
+    failed = sum(r.status is ZooStatus.FAILED for r in results)
     llama_like = [r for r in results if r.shape in ("llama", "llama-like")]
     gpt2 = [r for r in results if r.shape == "gpt2"]
     return [
         "",
         "## Goals",
         "",
-        f"- Llama-like (exact loop + variants): {sum(r.status == 'verified' for r in llama_like)} of {len(llama_like)} verified "
+        f"- Llama-like (exact loop + variants): {sum(r.status is ZooStatus.VERIFIED for r in llama_like)} of {len(llama_like)} verified "
         "(goal: at least 110 of 120; the issue counted 120 with its own grouping, this table labels each type by "
         "`pipespec.integrations.transformers.zoo.shapes.classify_forward_shape` on the decoder actually run, a multimodal model's text decoder).",
-        f"- GPT2-style: {sum(r.status == 'verified' for r in gpt2)} of {len(gpt2)} verified (goal: at least 5 of 10).",
+        f"- GPT2-style: {sum(r.status is ZooStatus.VERIFIED for r in gpt2)} of {len(gpt2)} verified (goal: at least 5 of 10).",
         f"- failed: {failed} (goal: 0).",
     ]
 

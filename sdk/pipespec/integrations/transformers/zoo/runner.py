@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from pipespec.integrations.transformers.zoo.check import ZooResult, run_type, short_error
+from pipespec.integrations.transformers.zoo.check import ZooResult, ZooStatus, run_type, short_error
 from pipespec.integrations.transformers.zoo.tiny import causal_lm_model_types
 
 __all__ = ["run_zoo"]
@@ -69,7 +69,7 @@ def _run_parallel(
             try:
                 results[i] = future.result()
             except Exception as exc:  # noqa: BLE001 - a worker died (e.g. killed for memory): that type failed
-                results[i] = ZooResult(model_type=types[i], status="failed", reason=f"zoo worker died: {short_error(exc)}")
+                results[i] = ZooResult(model_type=types[i], status=ZooStatus.FAILED, reason=f"zoo worker died: {short_error(exc)}")
             if progress is not None:
                 progress(done, len(types), results[i])
     finally:
