@@ -9,6 +9,10 @@ weights; ``--json`` prints ``{"architecture", "class", "decision", "reason", "sp
 refused (2). vLLM is imported only then; without it, one line and exit 2. ``--model-impl transformers``
 asks the same for vLLM's Transformers modeling backend (``model_impl="transformers"``): the backend class
 vLLM resolves ``--architecture`` to, which the plugin replaces with pipespec's subclass.
+
+``--engine sglang`` answers the same for pipespec's SGLang plugin (the class SGLang's registry names for
+``--architecture``, adapted with the SGLang codemod), in the same JSON shape and exit codes; SGLang is
+imported only then.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from pipespec.contract.verify import METHODS, verify_supports_aux_hidden_states_
 from pipespec.errors import UnsupportedModelError, UsageError
 
 HELP = "check that an architecture or class supports aux hidden states over PP for a layout"
-ENGINES = ("transformers", "vllm")
+ENGINES = ("transformers", "vllm", "sglang")
 MODEL_IMPLS = ("vllm", "transformers")  # vLLM's model_impl values verify answers for
 NEEDS_VLLM = "pipespec verify --engine vllm needs vLLM (>= 0.32) installed: run it where vLLM is (`pip install 'pipespec[vllm]'`)"
+NEEDS_SGLANG = ("pipespec verify --engine sglang needs SGLang (0.5.23) importable: run it where SGLang is "
+                "(`pip install 'pipespec[sglang]'`)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,12 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="speculative method whose draft reads the target (default eagle3)")
     add_layout_arguments(parser, num_layers_required=False)
     parser.add_argument("--engine", choices=ENGINES, default="transformers",
-                        help="transformers (default): pipespec's registry and verifier; vllm: what pipespec's vLLM plugin would do")
+                        help="transformers (default): pipespec's registry and verifier; vllm / sglang: what pipespec's plugin "
+                             "for that engine would do")
     parser.add_argument("--model-impl", metavar="IMPL",
                         help="--engine vllm: vllm (default: the class vLLM's registry names) or transformers (vLLM's "
                              "Transformers modeling backend, as with LLM(model_impl='transformers'))")
     parser.add_argument("--json", action="store_true",
-                        help='--engine vllm: print {"architecture", "class", "decision", "reason", "spec"}')
+                        help='--engine vllm or sglang: print {"architecture", "class", "decision", "reason", "spec"}')
 
 
 def run_vllm(args: argparse.Namespace) -> int:
@@ -62,6 +69,25 @@ def run_vllm(args: argparse.Namespace) -> int:
 
         cls = resolve_backend_class(args.architecture)
     decision = verify_architecture(args.architecture, args.method, args.pp, cls)
+    if args.json:
+        print(json.dumps(decision.as_json()))
+    else:
+        spec = f" (spec: {decision.spec})" if decision.spec else ""
+        print(f"{decision.architecture}: {decision.decision}{spec}: {decision.reason}")
+    return 2 if decision.decision == "refuse" else 0
+
+
+def run_sglang(args: argparse.Namespace) -> int:
+    """``--engine sglang``: the SGLang plugin's decision for this architecture and PP size, without weights."""
+    if args.class_path:
+        raise UsageError("--engine sglang checks an architecture SGLang registers: give --architecture, not --class")
+    try:
+        import sglang  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(f"{NEEDS_SGLANG} ({exc})") from None
+    from pipespec.integrations.sglang.adapt_at_load import verify_architecture
+
+    decision = verify_architecture(args.architecture, args.pp)
     if args.json:
         print(json.dumps(decision.as_json()))
     else:
@@ -100,8 +126,10 @@ def run(args: argparse.Namespace) -> int:
     check_model_impl(args)
     if args.engine == "vllm":
         return run_vllm(args)
+    if args.engine == "sglang":
+        return run_sglang(args)
     if args.json:
-        raise UsageError("--json is for --engine vllm (the transformers check prints one line)")
+        raise UsageError("--json is for --engine vllm or sglang (the transformers check prints one line)")
     registry = default_registry()
     if args.architecture:
         spec = registry.lookup(args.architecture)
