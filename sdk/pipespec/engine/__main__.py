@@ -4,18 +4,23 @@ One process per stage, ``env://`` rendezvous (torchrun sets RANK, WORLD_SIZE, MA
 LOCAL_RANK; the GPU of a stage is its LOCAL_RANK). ``--pp`` defaults to torchrun's WORLD_SIZE (one stage
 per process). After decoding, the stages' small stats are gathered on the last rank, which prints the
 same output as ``pipespec generate``. Errors: one line on stderr naming the stage, exit 1 (2 for usage
-errors); torchrun then stops the other ranks and, for any non-zero exit of a worker, raises its own
-``ChildFailedError`` with a report (torchrun's, not the worker's: a worker cannot silence it).
+errors); a flag error, the same on every rank, is said once per node (by its LOCAL_RANK 0). torchrun
+then stops the other ranks and, for any non-zero exit of a worker, raises its own ``ChildFailedError``
+with a report (torchrun's, not the worker's: a worker cannot silence it).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 from pipespec.cli import Parser, generate
 from pipespec.errors import PipespecError, UsageError
+
+#: Seconds a worker that does not report a flag error waits before exiting (see ``main``).
+QUIET_EXIT_DELAY_S = 5.0
 
 
 def _stage(ctx: Any, job: Any) -> Any:
@@ -34,6 +39,11 @@ def world_size_or_one() -> int:
     """torchrun's WORLD_SIZE (1 when it is unset or not a positive integer: the launcher then says why)."""
     text = os.environ.get("WORLD_SIZE", "")
     return int(text) if text.isdigit() and int(text) > 0 else 1
+
+
+def reports_flag_errors() -> bool:
+    """Whether this worker prints a flag error: the first on its node (one line per node, not per rank)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def check_world_size(pp: int) -> None:
@@ -67,8 +77,13 @@ def main(argv: list[str] | None = None) -> int:
             generate.print_result(result, args.json, batch)
         return 0
     except PipespecError as exc:
-        if started or rank in ("0", "?"):  # a flag error is the same on every rank: rank 0 says it once
+        if started or reports_flag_errors():
             print(f"pipespec.engine: error: stage {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        else:
+            # The same flag error on every rank: the node's first worker says it. This one exits after it,
+            # so that torchrun (which stops every worker once one exits non-zero) has not stopped the
+            # reporter before its line is out.
+            time.sleep(QUIET_EXIT_DELAY_S)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"pipespec.engine: stage {rank} interrupted", file=sys.stderr)
