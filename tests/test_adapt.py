@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from pipespec.contract.intermediate import IntermediateTensors
 from pipespec.contract.layout import plan_layout
 from pipespec.contract.spec import AdapterSpec
-from pipespec.contract.verify import find_support, verify_supports_aux_hidden_states_over_pp
+from pipespec.contract.verify import find_registered_support, verify_supports_aux_hidden_states_over_pp
 from pipespec.errors import LayoutError, UnsupportedModelError
 from pipespec.integrations.transformers.adapt import adapt, cache_kwarg_name, spec_for_class
 from pipespec.integrations.transformers.infer import decoder_class_for_model_type, infer_spec
@@ -198,7 +198,7 @@ def test_adapted_class_is_cached_marked_and_accepted_by_the_verifier() -> None:
     assert own["supports_aux_hidden_states_over_pp"] is True
     assert own["pipespec_spec"].name == "llama" and own["pipespec_num_layers_key"] == "num_hidden_layers"
     assert own["pipespec_has_residual"] is False and own["pipespec_cache_kwarg"] == "cache"
-    support = find_support(adapted)
+    support = find_registered_support(adapted)
     assert support.supported_by is adapted
     model = adapted(tiny("llama").config)
     layout = plan_layout(N, 3, aux_layers=[2, 3, 5], partition=[1, 3, 2])

@@ -9,7 +9,7 @@ except a drafter's MTP block (its forward takes ``spec_step_idx``). Each row has
 * ``unchanged`` — the codemod leaves the decoder byte-identical: the class sets
   ``supports_aux_hidden_states_over_pp = True`` itself and its forward collects and packs aux states;
 * ``supported`` — vLLM's released source already relays aux states over PP by pipespec's verdict
-  (``pipespec.integrations.vllm.support.judge_decoder_source``: the flag is True through a parent and every
+  (``pipespec.integrations.vllm.readiness.judge_decoder_source``: the flag is True through a parent and every
   forward in between delegates to ``super()`` or does the aux handling), though the codemod does not
   leave it as it is (it rewrites it, declines it, or finds no layer loop in it). Nothing to do for a user:
   pipespec's plugin leaves such a class alone, as vLLM does;
@@ -41,8 +41,8 @@ from pipespec.codemods.adapt_vllm_native import DecoderOutcome, adapt_vllm_modul
 from pipespec.codemods.vllm_native_index import default_reader
 from pipespec.contract.names import AUX_OVER_PP_FLAG, VLLM_EAGLE3_INTERFACE, VLLM_EAGLE_MIXIN
 from pipespec.errors import UsageError
+from pipespec.integrations.vllm.readiness import AUX_CALLS, judge_decoder_source
 from pipespec.integrations.vllm.sources import MODELS, source_tree
-from pipespec.integrations.vllm.support import AUX_CALLS, judge_decoder_source
 from pipespec.str_enum import StrEnum
 
 MODEL_DIRS = (MODELS, Path("models"))

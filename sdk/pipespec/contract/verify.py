@@ -25,8 +25,10 @@ FORWARD_METHODS = ("forward",)
 
 
 @dataclass(frozen=True)
-class Support:
-    """Why a class is supported: the class that carries support and the spec (if any) behind it."""
+class RegisteredSupport:
+    """Why pipespec's runtime may run a class: the class whose registration (spec, decorator or generated
+    flag) carries support, and the spec (if any) behind it. Not vLLM's readiness check
+    (``integrations.vllm.readiness``), which judges a vLLM class as released."""
 
     cls: type
     supported_by: type
@@ -45,7 +47,7 @@ def _spec_of(klass: type, registry: Registry) -> AdapterSpec | None:
     return own if isinstance(own, AdapterSpec) else None
 
 
-def find_support(cls: type, method: str = "eagle3", registry: Registry | None = None) -> Support:
+def find_registered_support(cls: type, method: str = "eagle3", registry: Registry | None = None) -> RegisteredSupport:
     """Resolve support for ``cls`` or raise ``UnsupportedModelError`` saying why and what to do."""
     registry = registry or default_registry()
     for depth, klass in enumerate(cls.__mro__):
@@ -70,7 +72,7 @@ def find_support(cls: type, method: str = "eagle3", registry: Registry | None = 
                 "(or `pipespec.adapt(cls)` at load), or register it with @pipespec.adapter once its forward "
                 "collects and packs aux states",
             )
-        return Support(cls=cls, supported_by=klass, spec=spec)
+        return RegisteredSupport(cls=cls, supported_by=klass, spec=spec)
     raise _fail(
         cls,
         method,
@@ -84,7 +86,7 @@ def verify_supports_aux_hidden_states_over_pp(
     method: str = "eagle3",
     layout: LayoutPlan | None = None,
     registry: Registry | None = None,
-) -> Support:
+) -> RegisteredSupport:
     """Check a model (instance or class) can run ``method`` under ``layout``; return why it can.
 
     Raises ``UnsupportedModelError`` (class not supported), ``LayoutError`` (boundary rule, ids out of
@@ -93,7 +95,7 @@ def verify_supports_aux_hidden_states_over_pp(
     if method not in METHODS:
         raise UsageError(f"speculative method {method!r} is unknown: use one of {', '.join(METHODS)}")
     cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
-    support = find_support(cls, method, registry)
+    support = find_registered_support(cls, method, registry)
     if layout is None:
         return support
     spec = support.spec

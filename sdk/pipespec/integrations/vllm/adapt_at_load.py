@@ -27,7 +27,7 @@ from pipespec.errors import PipespecError, UnsupportedModelError, UsageError
 from pipespec.integrations.verdict import Verdict
 from pipespec.integrations.vllm import compat
 from pipespec.integrations.vllm.adapted_modules import adapted_module_name, install_finder
-from pipespec.integrations.vllm.support import judge_vllm_class
+from pipespec.integrations.vllm.readiness import judge_vllm_class
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ class VllmZooStatus(StrEnum):
 
 
 STATUSES = tuple(VllmZooStatus)
-#: The inherited-flag classes of issue 14, judged by ``pipespec.integrations.vllm.support``.
+#: The inherited-flag classes of issue 14, judged by ``pipespec.integrations.vllm.readiness``.
 FLAG_CLASSES = (
     ("vllm.model_executor.models.qwen3_vl", "Qwen3LLMModel"),
     ("vllm.model_executor.models.moss_audio", "MossQwen3Model"),
@@ -431,7 +431,7 @@ def inherited_flag_verdicts() -> list[dict[str, Any]]:
     imported here (qwen3_vl needs torchvision) is judged from its source (``judge_decoder_source``)."""
     import importlib
 
-    from pipespec.integrations.vllm.support import judge_decoder_source, judge_vllm_class
+    from pipespec.integrations.vllm.readiness import judge_decoder_source, judge_vllm_class
 
     rows = []
     for module, name in FLAG_CLASSES:
@@ -508,7 +508,7 @@ def coverage_markdown(results: Sequence[ZooResult], verdicts: Sequence[dict[str,
         f"PP=3: {pp3_passed} of the {pp2_passed} decoders that pass PP=1 and PP=2 pass PP=3 too (`verified` and "
         "`supported` mean all three pass).",
         "",
-        "## Inherited-flag classes (`pipespec.integrations.vllm.support.judge_vllm_class`, PP = 2)",
+        "## Inherited-flag classes (`pipespec.integrations.vllm.readiness.judge_vllm_class`, PP = 2)",
         "",
         "| class | module | supported | judged from | verdict |",
         "|---|---|---|---|---|",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipespec.integrations.vllm.support import (
+from pipespec.integrations.vllm.readiness import (
     class_facts,
     decoder_class_of,
     judge_decoder_class,
@@ -112,7 +112,7 @@ def test_source_verdicts_equal_the_imported_ones(file: str, name: str, supported
     """Read from source only (qwen3_vl cannot be imported without torchvision): the same verdicts."""
     import importlib
 
-    from pipespec.integrations.vllm.support import judge_decoder_source
+    from pipespec.integrations.vllm.readiness import judge_decoder_source
 
     verdict = judge_decoder_source(_models_dir() / file, name)
     assert verdict.supported is supported, verdict.reason
