@@ -153,6 +153,19 @@ def tiny_target(tmp_path_factory):
     return write_tiny_target(tmp_path_factory.mktemp("torchrun") / "target", "llama", num_layers=4, seed=5)
 
 
+def test_generate_says_its_convention_line_once_per_process(tiny_target, capsys, monkeypatch):
+    """A benchmark runs `generate` through the CLI's entry point many times in one process: one line, not one a run."""
+    from pipespec.cli import generate, main
+
+    monkeypatch.setattr(generate, "_ANNOUNCED", set())  # what earlier tests of this process announced
+    flags = ["generate", "--target", str(tiny_target), "--prompt-ids", "3,1", "--max-new-tokens", "2",
+             "--num-spec-tokens", "0", "--json"]
+    assert main(flags) == 0 and main(flags) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 2  # both runs printed their result
+    assert err.splitlines().count("pipespec: plain pipeline decoding (--num-spec-tokens 0): no draft, no aux states") == 1
+
+
 def torchrun(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN.parent / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "pipespec.engine",
                            *flags], capture_output=True, text=True, timeout=240,
