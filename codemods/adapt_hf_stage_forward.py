@@ -39,14 +39,8 @@ from libcst.codemod import CodemodContext, SkipFile, VisitorBasedCodemodCommand
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider
 
-from pipespec.codemods.hf_forward_shape import (
-    AlreadyStageAware,
-    ForwardShape,
-    ShapeError,
-    analyze_forward,
-    find_forward,
-    rotary_attrs,
-)
+from pipespec.codemods.hf_decline import AlreadyStageAware, ShapeError
+from pipespec.codemods.hf_forward_shape import ForwardShape, analyze_forward, find_forward, rotary_attrs
 from pipespec.codemods.hf_layer_loop import LoopShape, loop_control
 from pipespec.codemods.hf_names import assigned_names, names_in
 from pipespec.codemods.scope import FunctionBodyTransformer

@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DummyLayer
 
 from pipespec.contract.intermediate import IntermediateTensors
 from pipespec.contract.layout import plan_layout
@@ -23,7 +24,7 @@ from pipespec.contract.verify import find_registered_support, verify_supports_au
 from pipespec.errors import LayoutError, UnsupportedModelError
 from pipespec.integrations.transformers.adapt import adapt, cache_kwarg_name, spec_for_class
 from pipespec.integrations.transformers.infer import decoder_class_for_model_type, infer_spec
-from pipespec.integrations.transformers.stage_cache import DummyLayer, StageCache, new_stage_cache
+from pipespec.integrations.transformers.stage_cache import StageCache, new_stage_cache
 
 N = 6
 PARTITIONS = {1: None, 2: [2, 4], 3: [1, 3, 2]}  # uneven; boundaries at 2 and at 1, 4

@@ -17,7 +17,8 @@ import torch
 from libcst.codemod import CodemodContext, CodemodTest, TransformSkip, TransformSuccess, transform_module
 
 from pipespec.cli.adapter_gen import main as adapter_gen_main
-from pipespec.codegen import adapt_target, load_target
+from pipespec.codegen.source import load_target
+from pipespec.codegen.transform import adapt_target
 from pipespec.codemods.adapt_vllm_forward import ALREADY_ADAPTED, AdaptVllmForwardCommand
 from pipespec.contract.mixin import hop_keys
 from pipespec.contract.spec import AdapterSpec

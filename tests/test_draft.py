@@ -19,7 +19,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig
+from pipespec.engine.draft.config import Eagle3DraftConfig
+from pipespec.engine.draft.model import Eagle3Draft
 from pipespec.engine.reference import reference_speculative_generate, target_aux_states
 from pipespec.engine.tiny_checkpoints import make_random_draft, write_agreeing_pair, write_tiny_target
 
@@ -297,7 +298,8 @@ def test_reference_loop_is_lossless_with_a_random_draft(tmp_path, k: int) -> Non
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("fmt", ["A", "B"])
 def test_agreeing_pair_reaches_full_acceptance(tmp_path, fmt: str) -> None:
-    from pipespec.engine.draft_checkpoint import TargetInfo, load_draft_checkpoint
+    from pipespec.engine.draft_checkpoint.info import TargetInfo
+    from pipespec.engine.draft_checkpoint.load import load_draft_checkpoint
 
     tdir, ddir, perm = write_agreeing_pair(tmp_path / "t", tmp_path / "d", format=fmt)
     target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()

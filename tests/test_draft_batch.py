@@ -20,10 +20,12 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from pipespec.engine.draft import DraftKVCache, DraftStorage, Eagle3Draft
 from pipespec.engine.draft.counts import Counts
+from pipespec.engine.draft.kv_cache import DraftKVCache
+from pipespec.engine.draft.model import Eagle3Draft
 from pipespec.engine.draft.rotary import apply_rotary as _apply_rotary
 from pipespec.engine.draft.rotary import rotary_factors
+from pipespec.engine.draft.storage import DraftStorage
 from pipespec.engine.tiny_checkpoints import make_random_draft
 
 ATOL = 2e-5

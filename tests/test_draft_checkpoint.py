@@ -13,15 +13,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
 
-from pipespec.engine.draft import Eagle3Draft
-from pipespec.engine.draft_checkpoint import (
-    TargetInfo,
-    detect_draft_format,
-    inspect_draft_checkpoint,
-    load_draft_checkpoint,
-    save_draft_checkpoint,
-    to_input_index,
-)
+from pipespec.engine.draft.model import Eagle3Draft
+from pipespec.engine.draft_checkpoint.conventions import to_input_index
+from pipespec.engine.draft_checkpoint.formats import detect_draft_format
+from pipespec.engine.draft_checkpoint.info import TargetInfo
+from pipespec.engine.draft_checkpoint.load import load_draft_checkpoint
+from pipespec.engine.draft_checkpoint.read import inspect_draft_checkpoint
+from pipespec.engine.draft_checkpoint.write import save_draft_checkpoint
 from pipespec.engine.tiny_checkpoints import make_random_draft
 from pipespec.errors import CheckpointError, UsageError
 

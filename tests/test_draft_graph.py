@@ -18,7 +18,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from pipespec.engine.draft import DraftKVCache, Eagle3Draft
+from pipespec.engine.draft.kv_cache import DraftKVCache
+from pipespec.engine.draft.model import Eagle3Draft
 from pipespec.engine.draft_graph import DraftGraphRunner, GraphMode
 from pipespec.engine.tiny_checkpoints import make_random_draft
 

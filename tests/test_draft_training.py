@@ -16,7 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from pipespec.bench.corpus import generation_prompts
 from pipespec.demo import demo_available, demo_draft_dir, demo_target_dir
-from pipespec.engine.draft_checkpoint import TargetInfo, inspect_draft_checkpoint, load_draft_checkpoint
+from pipespec.engine.draft_checkpoint.info import TargetInfo
+from pipespec.engine.draft_checkpoint.load import load_draft_checkpoint
+from pipespec.engine.draft_checkpoint.read import inspect_draft_checkpoint
 from pipespec.engine.reference import reference_speculative_generate
 from pipespec.engine.tiny_checkpoints import make_random_draft
 
@@ -87,7 +89,7 @@ def test_init_draft_keeps_the_draft_when_nothing_is_pruned_and_prunes_the_weakes
     largest output norms."""
     from dataclasses import replace
 
-    from pipespec.engine.draft_checkpoint import save_draft_checkpoint
+    from pipespec.engine.draft_checkpoint.write import save_draft_checkpoint
 
     target = _tiny_target()
     sizes = replace(PRESETS["quick"], hidden_size=32, num_heads=4, num_kv_heads=2, draft_intermediate_size=48)

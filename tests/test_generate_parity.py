@@ -24,7 +24,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipespec.cli import main
 from pipespec.cli.demo import shipped_pair
-from pipespec.engine.draft_checkpoint import TargetInfo, load_draft_checkpoint
+from pipespec.engine.draft_checkpoint.info import TargetInfo
+from pipespec.engine.draft_checkpoint.load import load_draft_checkpoint
 from pipespec.engine.reference import target_aux_states
 from pipespec.engine.tiny_checkpoints import write_agreeing_pair, write_tiny_draft, write_tiny_target
 from pipespec.pp.loading import open_checkpoint

@@ -28,8 +28,9 @@ from pathlib import Path
 import pytest
 
 from pipespec.integrations.vllm import compat
-from pipespec.integrations.vllm.compat import TESTED_RELEASES, Gate, load
-from pipespec.integrations.vllm.compat.releases import RELEASE_MODULES
+from pipespec.integrations.vllm.compat import load
+from pipespec.integrations.vllm.compat.gate import Gate
+from pipespec.integrations.vllm.compat.releases import RELEASE_MODULES, TESTED_RELEASES
 from pipespec.integrations.vllm.patches import PATCHES
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -105,7 +105,8 @@ def _job(target: Path, draft: Path, requests: Any, pp: int, k: int) -> Any:
 
 def _launch(job: Any) -> dict[str, Any]:
     from pipespec.cli.generate import compose_output
-    from pipespec.engine.worker import check_job, stage_main
+    from pipespec.engine.stage.loading import check_job
+    from pipespec.engine.worker import stage_main
     from pipespec.pp.launch import run_stages
 
     check_job(job)

@@ -176,7 +176,8 @@ def announce_convention(result: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     job = job_from_args(args)  # flag errors first: before the engine, the model check, any stage
-    from pipespec.engine.worker import check_job, stage_main
+    from pipespec.engine.stage.loading import check_job
+    from pipespec.engine.worker import stage_main
     from pipespec.pp.launch import run_stages
 
     check_job(job)

@@ -74,6 +74,6 @@ def check_section(path: str | Path, key: str) -> None:
 
 def write_section(path: str | Path, key: str, body: str) -> None:
     """Replace (or append) section ``key`` of ``path`` with ``body``, atomically."""
-    from pipespec.codegen.write import write_atomic
+    from pipespec.atomic_write import write_atomic
 
     write_atomic(path, replace_section(read_report(path), key, body, str(path)))

@@ -20,6 +20,7 @@ Nothing here imports or executes the code it adapts, nor torch or vLLM at import
 
 from __future__ import annotations
 
+from pipespec.atomic_write import write_atomic
 from pipespec.codegen.decide import (
     VLLM_CONTRACT,
     detect_dialect,
@@ -41,7 +42,7 @@ from pipespec.codegen.source import (
     read_text,
 )
 from pipespec.codegen.transform import HEADER_FIRST, Outcome, absolutize_imports, adapt_target, stamp_header
-from pipespec.codegen.write import unified_diff, write_atomic
+from pipespec.codegen.write import unified_diff
 
 __all__ = [
     "HEADER_FIRST",

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from pipespec import __version__
+from pipespec.atomic_write import write_atomic
 from pipespec.codegen.decide import spec_label
-from pipespec.codegen.write import write_atomic
 from pipespec.contract.registry import Registry, default_registry
 from pipespec.contract.spec import AdapterSpec, spec_from_mapping
 from pipespec.errors import PipespecError, UsageError

@@ -44,9 +44,11 @@ from typing import Literal
 import torch
 from torch.nn import functional as F
 
-from pipespec.engine.draft import DraftKVCache, DraftStorage, Eagle3Draft
 from pipespec.engine.draft.counts import valid_counts
 from pipespec.engine.draft.fused import Fused
+from pipespec.engine.draft.kv_cache import DraftKVCache
+from pipespec.engine.draft.model import Eagle3Draft
+from pipespec.engine.draft.storage import DraftStorage
 
 __all__ = ["DraftGraphRunner", "GraphMode"]
 

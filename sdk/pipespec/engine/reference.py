@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipespec.engine.draft import Eagle3Draft
+from pipespec.engine.draft.model import Eagle3Draft
 
 __all__ = ["reference_speculative_generate", "target_aux_states"]
 

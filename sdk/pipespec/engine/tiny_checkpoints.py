@@ -23,8 +23,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from pipespec.contract.layout import eagle3_default_aux_ids
-from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig
-from pipespec.engine.draft_checkpoint import AuxConvention, DraftFormat, save_draft_checkpoint
+from pipespec.engine.draft.config import Eagle3DraftConfig
+from pipespec.engine.draft.model import Eagle3Draft
+from pipespec.engine.draft_checkpoint.conventions import AuxConvention
+from pipespec.engine.draft_checkpoint.formats import DraftFormat
+from pipespec.engine.draft_checkpoint.write import save_draft_checkpoint
 
 __all__ = ["TARGET_MODEL_TYPES", "make_random_draft", "write_agreeing_pair", "write_tiny_draft", "write_tiny_target"]
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig
+from pipespec.engine.draft.config import Eagle3DraftConfig
+from pipespec.engine.draft.model import Eagle3Draft
 from pipespec.engine.draft_checkpoint.conventions import AuxConvention
 from pipespec.engine.draft_checkpoint.formats import FORMAT_NAMES, DraftFormat
 from pipespec.errors import CheckpointError

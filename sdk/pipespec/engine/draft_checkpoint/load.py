@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pipespec.contract.embed import maybe_share_target_embed
-from pipespec.engine.draft import Eagle3Draft
+from pipespec.engine.draft.model import Eagle3Draft
 from pipespec.engine.draft_checkpoint.conventions import AuxConvention
 from pipespec.engine.draft_checkpoint.files import read_tensors, weight_files
 from pipespec.engine.draft_checkpoint.formats import canonical_name, disk_name

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from transformers import LlamaConfig
 
-from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig
+from pipespec.engine.draft.config import Eagle3DraftConfig
+from pipespec.engine.draft.model import Eagle3Draft
 from pipespec.engine.draft_checkpoint.conventions import AuxConvention, resolve_aux_ids
 from pipespec.engine.draft_checkpoint.files import read_config, tensor_shapes, weight_files
 from pipespec.engine.draft_checkpoint.formats import (

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig
+from pipespec.engine.draft.config import Eagle3DraftConfig
+from pipespec.engine.draft.model import Eagle3Draft
 from pipespec.engine.draft_checkpoint.conventions import DEFAULT_CONVENTION, AuxConvention
 from pipespec.engine.draft_checkpoint.formats import LAYER_PREFIX, DraftFormat, format_config
 from pipespec.errors import UsageError

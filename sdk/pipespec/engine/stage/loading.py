@@ -34,7 +34,8 @@ class Prepared:
 
 def prepare(job: GenerateJob) -> Prepared:
     """Config, draft config and request checks: JSON and tensor headers only, no weights."""
-    from pipespec.engine.draft_checkpoint import TargetInfo, inspect_draft_checkpoint
+    from pipespec.engine.draft_checkpoint.info import TargetInfo
+    from pipespec.engine.draft_checkpoint.read import inspect_draft_checkpoint
 
     resolved = resolve_target(job.target)
     target_info = TargetInfo.from_config(resolved.config)
@@ -80,7 +81,7 @@ class LoadedStage:
 
 def load_stage(ctx: StageContext, job: GenerateJob) -> LoadedStage:
     """Threads or CUDA attention, the checks of ``prepare``, this stage's target weights, the draft, the EOS ids."""
-    from pipespec.engine.draft_checkpoint import load_draft_checkpoint
+    from pipespec.engine.draft_checkpoint.load import load_draft_checkpoint
 
     if job.pp != ctx.world_size:
         raise UsageError(f"--pp {job.pp} does not match the {ctx.world_size} processes started")

@@ -21,14 +21,8 @@ import textwrap
 import libcst as cst
 import libcst.matchers as m
 
-from pipespec.codemods.hf_forward_shape import (
-    LAYER_COUNT_KEYS,
-    AlreadyStageAware,
-    ShapeError,
-    analyze_forward,
-    find_forward,
-    rotary_attrs,
-)
+from pipespec.codemods.hf_decline import AlreadyStageAware, ShapeError
+from pipespec.codemods.hf_forward_shape import LAYER_COUNT_KEYS, analyze_forward, find_forward, rotary_attrs
 from pipespec.codemods.hf_names import dotted, walk
 from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import UnsupportedModelError, UsageError
