@@ -45,7 +45,8 @@ from pipespec.contract.spec import DIALECTS, RESIDUAL_RULES
 from pipespec.errors import UsageError
 
 if TYPE_CHECKING:  # codegen imports libcst: loaded only when a command needs it
-    from pipespec.codegen import Outcome, Target
+    from pipespec.codegen.source import Target
+    from pipespec.codegen.transform import Outcome
 
 HELP = "adapt a model's forward for aux hidden states over PP (vLLM-style or HF code), or scaffold a new adapter"
 PROG = "adapter-gen"

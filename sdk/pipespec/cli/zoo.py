@@ -100,7 +100,7 @@ def finish(args: argparse.Namespace, results: Sequence[Any], table: str, markdow
 
             write_section(args.write_coverage, section, markdown())
         else:
-            from pipespec.codegen.write import write_atomic
+            from pipespec.atomic_write import write_atomic
 
             write_atomic(args.write_coverage, markdown())
         print(f"wrote {args.write_coverage}", file=sys.stderr)
