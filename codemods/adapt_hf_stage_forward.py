@@ -50,6 +50,7 @@ from pipespec.contract.names import (
     AUX_OVER_PP_FLAG,
     GENERATED_BY_ATTR,
     HAS_RESIDUAL_ATTR,
+    NUM_LAYERS_KEY_ATTR,
 )
 from pipespec.contract.spec import AdapterSpec, load_spec
 
@@ -349,7 +350,7 @@ class AdaptHFStageForwardCommand(VisitorBasedCodemodCommand):
                     ),
                 ]
             ),
-            _stmt(f"pipespec_num_layers_key = {json.dumps(num_key)}\n"),
+            _stmt(f"{NUM_LAYERS_KEY_ATTR} = {json.dumps(num_key)}\n"),
             _stmt(f"{HAS_RESIDUAL_ATTR} = False\n"),
             _stmt(f"{GENERATED_BY_ATTR} = {json.dumps(marker_text(self.source, self.spec))}\n"),
         ]

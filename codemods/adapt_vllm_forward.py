@@ -69,6 +69,7 @@ from pipespec.contract.names import (
     AUX_OVER_PP_FLAG,
     GENERATED_BY_ATTR,
     HAS_RESIDUAL_ATTR,
+    NUM_LAYERS_KEY_ATTR,
 )
 from pipespec.contract.spec import AdapterSpec
 
@@ -231,7 +232,7 @@ class AdaptVllmForwardCommand(VisitorBasedCodemodCommand):
                    f"{HAS_RESIDUAL_ATTR} = {residual}\n",
                    f"{GENERATED_BY_ATTR} = {json.dumps(marker_text(self.source, self.spec))}\n"]
         if self.spec is not None and self.spec.num_layers_key != "num_hidden_layers":
-            markers.append(f"pipespec_num_layers_key = {json.dumps(self.spec.num_layers_key)}\n")
+            markers.append(f"{NUM_LAYERS_KEY_ATTR} = {json.dumps(self.spec.num_layers_key)}\n")
         if self.spec is not None and self.spec.boundary_rule != "allow":  # the plan enforces it from the start
             markers.append(f"_pipespec_boundary_rule = {json.dumps(self.spec.boundary_rule)}\n")
         at = 1 if body and is_docstring(body[0]) else 0

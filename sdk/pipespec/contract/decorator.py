@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from pipespec.contract.mixin import AuxHiddenStatesMixin
-from pipespec.contract.names import AUX_OVER_PP_FLAG, HAS_RESIDUAL_ATTR
+from pipespec.contract.names import AUX_OVER_PP_FLAG, HAS_RESIDUAL_ATTR, NUM_LAYERS_KEY_ATTR, SPEC_ATTR
 from pipespec.contract.registry import class_path, register_decorated
 from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import SpecError
@@ -49,8 +49,8 @@ def adapter(
             **fields,
         )
         setattr(cls, AUX_OVER_PP_FLAG, True)
-        cls.pipespec_spec = spec  # type: ignore[attr-defined]
-        cls.pipespec_num_layers_key = spec.num_layers_key  # type: ignore[attr-defined]
+        setattr(cls, SPEC_ATTR, spec)
+        setattr(cls, NUM_LAYERS_KEY_ATTR, spec.num_layers_key)
         setattr(cls, HAS_RESIDUAL_ATTR, spec.residual)
         register_decorated(spec, cls)
         return cls

@@ -23,6 +23,12 @@ GENERATED_BY_ATTR = "pipespec_generated_by"
 #: Class attribute of an adapted decoder: whether its stages hand over a separate ``residual``.
 HAS_RESIDUAL_ATTR = "pipespec_has_residual"
 
+#: Class attribute of an adapted decoder: the config key that holds its number of layers N.
+NUM_LAYERS_KEY_ATTR = "pipespec_num_layers_key"
+
+#: Class attribute of a decorated or runtime-adapted class: the ``AdapterSpec`` it was adapted by.
+SPEC_ATTR = "pipespec_spec"
+
 #: pipespec's decoder-side mixin, which adapted transformers and vLLM-dialect classes inherit.
 AUX_MIXIN_MODULE, AUX_MIXIN = "pipespec.contract.mixin", "AuxHiddenStatesMixin"
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pipespec.contract.embed import METHODS_NEEDING_TARGET_EMBED
 from pipespec.contract.layout import LayoutPlan, plan_layout
-from pipespec.contract.names import AUX_OVER_PP_FLAG
+from pipespec.contract.names import AUX_OVER_PP_FLAG, SPEC_ATTR
 from pipespec.contract.registry import Registry, class_path, default_registry
 from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import LayoutError, UnsupportedModelError, UsageError
@@ -43,7 +43,7 @@ def _spec_of(klass: type, registry: Registry) -> AdapterSpec | None:
     entry = registry.entry_for_class(klass)
     if entry is not None:
         return entry.spec
-    own = klass.__dict__.get("pipespec_spec")
+    own = klass.__dict__.get(SPEC_ATTR)
     return own if isinstance(own, AdapterSpec) else None
 
 

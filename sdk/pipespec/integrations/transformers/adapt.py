@@ -45,7 +45,13 @@ from pipespec.codemods.hf_forward_shape import find_forward
 from pipespec.codemods.hf_names import walk
 from pipespec.contract.intermediate import IntermediateTensors
 from pipespec.contract.mixin import AuxHiddenStatesMixin
-from pipespec.contract.names import AUX_OVER_PP_FLAG, GENERATED_BY_ATTR, HAS_RESIDUAL_ATTR
+from pipespec.contract.names import (
+    AUX_OVER_PP_FLAG,
+    GENERATED_BY_ATTR,
+    HAS_RESIDUAL_ATTR,
+    NUM_LAYERS_KEY_ATTR,
+    SPEC_ATTR,
+)
 from pipespec.contract.registry import default_registry
 from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import UnsupportedModelError
@@ -166,8 +172,8 @@ def _build(cls: type, spec: AdapterSpec) -> type:
     assert shape is not None
     attrs = {
         AUX_OVER_PP_FLAG: True,
-        "pipespec_spec": spec,
-        "pipespec_num_layers_key": shape.loop.num_layers_key or spec.num_layers_key,
+        SPEC_ATTR: spec,
+        NUM_LAYERS_KEY_ATTR: shape.loop.num_layers_key or spec.num_layers_key,
         HAS_RESIDUAL_ATTR: False,
         "pipespec_cache_kwarg": shape.cache_kwarg,
         "pipespec_adapted_from": cls,
