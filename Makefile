@@ -25,7 +25,7 @@ SGLANG_DEPS := transformers==5.19.0 tokenizers==0.23.2 apache-tvm-ffi==0.1.11 bl
 # Stage processes share the cores: one intra-op thread each avoids oversubscription (10x slower otherwise).
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-core test-vllm test-sglang lint zoo zoo-vllm zoo-vllm-source sources bench clean venv venv-vllm \
+.PHONY: demo test test-core test-vllm test-sglang lint zoo zoo-vllm zoo-vllm-source zoo-sglang-source sources bench clean venv venv-vllm \
 	venv-sglang
 
 $(BIN)/python:
@@ -80,8 +80,12 @@ test: test-core test-vllm test-sglang
 # fetched once per machine into PIPESPEC_VLLM_SOURCES (default ~/.cache/pipespec/vllm-sources) with
 # `pip download --no-deps`; once cached nothing is fetched again, so this works offline.
 VLLM_SOURCE_RELEASES := 0.32.0 0.33.0 0.34.0
+# SGLang releases the sglang dialect's source zoo reads (tests/test_zoo_sglang_source.py, `make zoo-sglang-source`),
+# cached the same way in PIPESPEC_SGLANG_SOURCES (default ~/.cache/pipespec/sglang-sources).
+SGLANG_SOURCE_RELEASES := 0.5.23
 sources: $(STAMP)
 	$(BIN)/python -m pipespec.integrations.vllm.sources $(VLLM_SOURCE_RELEASES)
+	$(BIN)/python -m pipespec.integrations.sglang.sources $(SGLANG_SOURCE_RELEASES)
 
 test-core: $(STAMP) sources
 	$(BIN)/ruff check sdk codemods tests bench
@@ -104,6 +108,10 @@ zoo-vllm: $(VSTAMP)
 # The codemod over each release's source, one section per release in docs/coverage-vllm.md (no vLLM needed).
 zoo-vllm-source: sources
 	for v in $(VLLM_SOURCE_RELEASES); do $(BIN)/pipespec zoo --engine vllm --source $$v --jobs 2 --write-coverage docs/coverage-vllm.md || exit $$?; done
+
+# The sglang dialect over each SGLang release's source, one section per release in docs/coverage-sglang.md.
+zoo-sglang-source: sources
+	for v in $(SGLANG_SOURCE_RELEASES); do $(BIN)/pipespec zoo --engine sglang --source $$v --jobs 2 --write-coverage docs/coverage-sglang.md || exit $$?; done
 
 bench: $(STAMP)
 	$(BIN)/pipespec bench all --quick

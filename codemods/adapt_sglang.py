@@ -7,8 +7,8 @@
    its own to the ``PPProxyTensors`` a non-last rank returns; the last rank's list (or packed buffer)
    reaches the logits processor as before.
 2. ``CaptureOnEveryRankCommand`` (``sglang_setter``): ``set_eagle3_layers_to_capture`` (and the DFlash
-   setter) stop returning early off the last rank. It runs only when no decoder of the file that
-   captures aux states was declined: a non-last rank that learns its ids but cannot send them would
+   setter) stop returning early off the last rank. It runs only when no decoder of the file was
+   declined: a non-last rank that learns its ids but cannot send them would
    hand the last rank fewer states, where SGLang today fails loudly.
 
 The result lists every decoder with its verdict, the reason (construct and line for a decline), the
@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 from libcst.codemod import CodemodContext
+from libcst.codemod.visitors import AddImportsVisitor
 from libcst.helpers import get_full_name_for_node
 
-from pipespec.codemods.sglang_forward import AUX_MODULE, RelayAuxStatesCommand
+from pipespec.codemods.sglang_forward import AUX_MODULE, RelayAuxStatesCommand, pp_forward
 from pipespec.codemods.sglang_outcome import CaptureForm, DecoderOutcome, SglangStatus
 from pipespec.codemods.sglang_setter import CaptureOnEveryRankCommand, id_conventions
 
@@ -69,19 +70,53 @@ def adapt_sglang_module(code: str, *, label: str, classes: Sequence[str] | None 
     """
     module = cst.parse_module(code)
     outcomes: list[DecoderOutcome] = []
-    context = CodemodContext(filename=label, full_module_name=None)
-    adapted = sorted_import_names(RelayAuxStatesCommand(context, outcomes, classes).transform_module(module), AUX_MODULE)
+    adapted = _relay(module, label, outcomes, classes)
     conventions = id_conventions(module)
-    blocking = [o for o in outcomes if o.status is SglangStatus.DECLINED and o.capture_form is not CaptureForm.NONE]
+    blocking = [o for o in outcomes if o.status is SglangStatus.DECLINED]
     setters: tuple[str, ...] = ()
     left: tuple[str, ...] = ()
-    if not blocking and any(o.status is not SglangStatus.DECLINED for o in outcomes):
+    if not blocking:
         setter = CaptureOnEveryRankCommand(CodemodContext(filename=label))
         adapted = setter.transform_module(adapted)
         setters, left = tuple(setter.adapted), tuple(setter.skipped)
     rows = tuple(o.with_convention(_convention_for(o.cls, module, conventions)) for o in outcomes)
     return SglangAdaptResult(label=label, source=code, code=adapted.code, decoders=rows, setters=setters,
                              setters_left=left)
+
+
+def _relay(module: cst.Module, label: str, outcomes: list[DecoderOutcome], classes: Sequence[str] | None) -> cst.Module:
+    """``RelayAuxStatesCommand`` over the file's top-level imports and decoder classes only (their qualified names
+    and lines are what it reads: resolving scopes over a 3,000-line file for one class is most of the cost), the
+    rewritten classes put back in place and the imports it asked for added to the whole file."""
+    body = list(module.body)
+    decoders = [i for i, s in enumerate(body) if isinstance(s, cst.ClassDef) and pp_forward(s) is not None
+                and (classes is None or s.name.value in classes)]
+    if not decoders:
+        return module
+    imports = [i for i, s in enumerate(body) if m.matches(s, m.SimpleStatementLine(body=[m.Import() | m.ImportFrom()]))]
+    kept = sorted({*imports, *decoders})
+    reduced = module.with_changes(body=[body[i] for i in kept])
+    full_lines, reduced_lines = _lines_before(module), _lines_before(reduced)
+    offsets: dict[str, int] = {}
+    for j, i in enumerate(kept):
+        if i in decoders:
+            offsets.setdefault(cst.ensure_type(body[i], cst.ClassDef).name.value, full_lines[i] - reduced_lines[j])
+    context = CodemodContext(filename=label, full_module_name=None)
+    out = RelayAuxStatesCommand(context, outcomes, classes, offsets).transform_module(reduced)
+    rewritten = [s for s in out.body if isinstance(s, cst.ClassDef)]
+    for i, new in zip([i for i in kept if i in decoders], rewritten, strict=True):
+        body[i] = new
+    spliced = module.with_changes(body=body)
+    return sorted_import_names(AddImportsVisitor(context).transform_module(spliced), AUX_MODULE)
+
+
+def _lines_before(module: cst.Module) -> list[int]:
+    """For each top-level statement, the number of lines of the module before it."""
+    counts, seen = [], module.code_for_node(cst.Module(body=[], header=module.header)).count("\n")
+    for stmt in module.body:
+        counts.append(seen)
+        seen += module.code_for_node(stmt).count("\n")
+    return counts
 
 
 def sorted_import_names(module: cst.Module, from_module: str) -> cst.Module:

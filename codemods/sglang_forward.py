@@ -52,7 +52,7 @@ computes ``aux_layer_ids`` is left alone. Parses source only; imports libcst and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import libcst as cst
@@ -105,6 +105,16 @@ def is_pp_loop(node: cst.CSTNode) -> bool:
     return False
 
 
+def pp_forward(cls: cst.ClassDef) -> cst.FunctionDef | None:
+    """The class's own ``forward`` when it has a pipeline layer loop (the class is then a decoder), else None."""
+    body = cls.body.body if isinstance(cls.body, cst.IndentedBlock) else ()
+    forwards = [s for s in body if m.matches(s, m.FunctionDef(name=m.Name("forward")))]
+    if not forwards:
+        return None
+    forward = cst.ensure_type(forwards[-1], cst.FunctionDef)
+    return forward if any(is_pp_loop(n) for n in own_nodes(forward, m.For())) else None
+
+
 def own_nodes(fn: cst.FunctionDef, matcher: m.BaseMatcherNode) -> list[cst.CSTNode]:
     """The nodes of ``fn``'s own code matching ``matcher`` (nested ``def``s and classes left out)."""
     nested = [n for n in m.findall(fn.body, m.FunctionDef() | m.ClassDef())]
@@ -136,17 +146,24 @@ class RelayAuxStatesCommand(VisitorBasedCodemodCommand):
     METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
 
     def __init__(self, context: CodemodContext, outcomes: list[DecoderOutcome],
-                 classes: Collection[str] | None = None) -> None:
+                 classes: Collection[str] | None = None, line_offsets: Mapping[str, int] | None = None) -> None:
         super().__init__(context)
         self.outcomes = outcomes
         self.classes = None if classes is None else set(classes)
+        #: Added to a class's lines: the command may run on a module of the file's imports and decoder classes
+        #: only (``adapt_sglang``), and reports the lines of the whole file.
+        self.line_offsets = dict(line_offsets or {})
+        self._offset = 0
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self._offset = self.line_offsets.get(node.name.value, 0)
 
     # -- helpers reading metadata of the original tree
 
     def _line(self, node: cst.CSTNode | None) -> int:
         if node is None:
             return 0
-        return self.get_metadata(PositionProvider, node).start.line
+        return self.get_metadata(PositionProvider, node).start.line + self._offset
 
     def _qualified(self, node: cst.CSTNode) -> set[str]:
         return {q.name for q in self.get_metadata(QualifiedNameProvider, node, set())}

@@ -240,3 +240,65 @@ def test_classes_limits_the_decoders() -> None:
     """``classes`` names the decoders to adapt; the others are not reported."""
     code = (FIXTURES / "llama.py").read_text()
     assert adapt_sglang_module(code, label="llama.py", classes=["Nope"]).decoders == ()
+
+
+# ------------------------------------------------------------------ adapter-gen --dialect sglang
+
+
+def _adapter_gen(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from pipespec.cli.adapter_gen import main
+
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_diff_out_in_place_and_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--diff writes nothing, --out writes the golden, --check says which file is stale, --in-place converges."""
+    source = tmp_path / "qwen2.py"
+    source.write_text((FIXTURES / "qwen2.py").read_text())
+    golden = (FIXTURES / "expected" / "qwen2.py").read_text()
+    code, out, err = _adapter_gen([str(source), "--dialect", "sglang"], capsys)
+    assert code == 0 and out.startswith("--- a/qwen2.py\n+++ b/qwen2.py") and "Qwen2Model: adapted (list" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen2.py"]
+    assert _adapter_gen([str(source), "--dialect", "sglang", "--check"], capsys)[0] == 1
+    out_file = tmp_path / "out.py"
+    assert _adapter_gen([str(source), "--dialect", "sglang", "--out", str(out_file)], capsys)[0] == 0
+    assert out_file.read_text() == golden
+    assert _adapter_gen([str(source), "--dialect", "sglang", "--check", "--out", str(out_file)], capsys)[0] == 0
+    assert _adapter_gen([str(source), "--dialect", "sglang", "--in-place"], capsys)[0] == 0
+    assert source.read_text() == golden
+    assert _adapter_gen([str(source), "--dialect", "sglang", "--check"], capsys)[0] == 0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["{dir}/missing.py"], "missing.py: source file does not exist"),
+    (["{dir}/qwen2.py", "--out", "{dir}/no/such/out.py"], "--out {dir}/no/such/out.py: directory {dir}/no/such does not exist"),
+    (["{dir}/qwen2.py", "--class", "Nope"], "--class Nope: no such class with a pipeline layer loop"),
+    (["{dir}/qwen2.py", "--residual-rule", "reads"], "--residual-rule does not apply to --dialect sglang"),
+    (["{dir}/qwen2.py", "--in-place", "--check"], "--in-place and --check cannot be combined"),
+    (["{dir}/plain.py"], "plain.py: no decoder with a pipeline layer loop"),
+    (["{dir}/broken.py"], "broken.py: line 1: not valid Python"),
+])
+def test_cli_bad_input_is_one_line_exit_2_nothing_written(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          argv: list[str], message: str) -> None:
+    """Each wrong input: exit 2, one line naming the file or flag and the fix, no file created or changed."""
+    (tmp_path / "qwen2.py").write_text((FIXTURES / "qwen2.py").read_text())
+    (tmp_path / "plain.py").write_text("x = 1\n")
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    code, out, err = _adapter_gen([a.format(dir=tmp_path) for a in argv] + ["--dialect", "sglang"], capsys)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message.format(dir=tmp_path) in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_cli_declined_file_is_written_nowhere(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A declined decoder: the reason on stderr, exit 1, --out not created."""
+    source = tmp_path / "m.py"
+    source.write_text(HEADER + "\n\nclass M:\n    def forward(self, h, forward_batch, pp_proxy_tensors=None):\n"
+                      "        for i in range(self.start_layer, self.end_layer):\n            h = self.layers[i](h)\n"
+                      "        return h\n")
+    code, out, err = _adapter_gen([str(source), "--dialect", "sglang", "--out", str(tmp_path / "o.py")], capsys)
+    assert code == 1 and "M: declined (none): captures no aux states" in err
+    assert not (tmp_path / "o.py").exists()

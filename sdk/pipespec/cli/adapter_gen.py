@@ -1,6 +1,6 @@
 """``adapter-gen`` (also ``pipespec adapter-gen``): adapt a model source file, or scaffold a new adapter.
 
-    adapter-gen FILE [--class NAME] [--dialect hf|vllm|pipespec] [--spec FILE] [--residual-rule reads|rebinds]
+    adapter-gen FILE [--class NAME] [--dialect hf|vllm|pipespec|sglang] [--spec FILE] [--residual-rule reads|rebinds]
                 [--diff | --out FILE | --in-place | --check]
     adapter-gen DIR [--dialect vllm] [--residual-rule reads|rebinds] [--diff | --out DIR2 | --in-place | --check]
     adapter-gen --hf MODEL_TYPE [--class NAME] [--spec FILE] [--diff | --out FILE | --check]
@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # codegen imports libcst: loaded only when a command needs it
 HELP = "adapt a model's forward for aux hidden states over PP (vLLM-style or HF code), or scaffold a new adapter"
 PROG = "adapter-gen"
 USAGE = (
-    "adapter-gen FILE [--class NAME] [--dialect {hf,vllm,pipespec}] [--spec FILE] [--residual-rule {reads,rebinds}]\n"
+    "adapter-gen FILE [--class NAME] [--dialect {hf,vllm,pipespec,sglang}] [--spec FILE] [--residual-rule {reads,rebinds}]\n"
     "                   [--diff | --out FILE | --in-place | --check]\n"
     "       adapter-gen DIR [--dialect vllm] [--residual-rule {reads,rebinds}] [--diff | --out DIR2 | --in-place | --check]\n"
     "       adapter-gen --hf MODEL_TYPE [--class NAME] [--spec FILE] [--diff | --out FILE | --check]\n"
@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--class", dest="class_name", metavar="NAME",
                         help="the decoder-stack class to adapt (vllm dialect: or its *ForCausalLM; default every PP decoder)")
     parser.add_argument("--hf", metavar="MODEL_TYPE", help="adapt the installed transformers modeling module of MODEL_TYPE")
-    parser.add_argument("--dialect", choices=DIALECTS, help="source dialect (default: detected from the forward signature)")
+    parser.add_argument("--dialect", choices=(*DIALECTS, "sglang"),
+                        help="source dialect (default: detected from the forward signature; sglang: an SGLang model file)")
     parser.add_argument("--spec", metavar="FILE", help="adapter spec TOML (default: registry lookup, else inferred)")
     parser.add_argument("--residual-rule", choices=RESIDUAL_RULES,
                         help="vllm dialect: a layer reads the residual it is given (reads) or rebinds it first (rebinds); "
@@ -90,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--out-dir", args.out_dir), ("--force", args.force)):
         if value:
             raise UsageError(f"{flag} only applies to `adapter-gen new MODEL_TYPE`")
+    if args.dialect == "sglang":
+        from pipespec.cli.adapter_gen_sglang import run_sglang
+
+        return run_sglang(args)
     if len(args.target) == 1 and Path(args.target[0]).is_dir():
         from pipespec.cli.adapter_gen_dir import run_dir
 

@@ -29,7 +29,7 @@ from typing import Any
 from pipespec.cli.args import int_list, positive_int
 
 HELP = "verify adaptation over every causal-LM type of the installed transformers (or vLLM: --engine vllm)"
-ENGINES = ("transformers", "vllm")
+ENGINES = ("transformers", "vllm", "sglang")
 #: The numeric vLLM zoo's section of docs/coverage-vllm.md (the source zoo writes ``vllm-source <release>``).
 VLLM_SECTION = "vllm-zoo"
 
@@ -37,16 +37,18 @@ VLLM_SECTION = "vllm-zoo"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine", choices=ENGINES, default="transformers",
-        help="transformers (default): HF modeling code; vllm: every PP decoder of the installed vLLM, checked inside vLLM",
+        help="transformers (default): HF modeling code; vllm: every PP decoder of the installed vLLM, checked inside vLLM; "
+             "sglang: the sglang dialect over an SGLang tree (needs --source)",
     )
     parser.add_argument(
         "--source", metavar="TREE_OR_VERSION",
-        help="--engine vllm only: the codemod and the support verdicts over a vLLM tree (a directory, or a release "
-             "such as 0.34.0, fetched once) without importing vLLM; --write-coverage replaces that release's section",
+        help="--engine vllm / sglang: the codemod (and vLLM's support verdicts) over an engine's tree (a directory, or a "
+             "release such as 0.34.0 / 0.5.23, fetched once) without importing it; --write-coverage replaces that "
+             "release's section",
     )
     parser.add_argument(
         "--files", metavar="A.py,B.py",
-        help="--engine vllm only: these model files (paths under the vllm package or base names; default: all)",
+        help="with --source: these model files (paths under the engine's package or base names; default: all)",
     )
     parser.add_argument("--model-types", metavar="A,B", help="only these model types (default: every causal-LM type installed)")
     parser.add_argument("--pp", type=int_list, default=[1, 2, 3], metavar="1,2,3", help="pipeline sizes to check (default 1,2,3)")
@@ -60,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "sglang":
+        from pipespec.cli.zoo_sglang_source import run_sglang_source
+
+        return run_sglang_source(args)
     if args.source is not None:
         from pipespec.cli.zoo_vllm_source import run_vllm_source
 
