@@ -139,7 +139,8 @@ class _CaptureBeforeContinue(cst.CSTTransformer):
         self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
     ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
         if any(id(s) in self.continues for s in original_node.body):
-            return cst.FlattenSentinel([self.capture.with_changes(leading_lines=updated_node.leading_lines), updated_node.with_changes(leading_lines=())])
+            capture = self.capture.with_changes(leading_lines=updated_node.leading_lines)
+            return cst.FlattenSentinel([capture, updated_node.with_changes(leading_lines=())])
         return updated_node
 
 

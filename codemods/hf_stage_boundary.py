@@ -187,7 +187,8 @@ def _reads_before_binding(stmts: Sequence[cst.BaseStatement], bound: set[str], w
                     orelse = None
         elif isinstance(stmt, cst.With):
             found += sorted((set().union(*(read_names(i.item) for i in stmt.items)) & watched) - bound)
-            found += _reads_before_binding(_body_statements(stmt.body), bound | set().union(*(assigned_names(i) for i in stmt.items)), watched)
+            bound_here = bound | set().union(*(assigned_names(i) for i in stmt.items))
+            found += _reads_before_binding(_body_statements(stmt.body), bound_here, watched)
         else:
             found += sorted((read_names(stmt) & watched) - bound)
         bound |= assigned_names(stmt)

@@ -69,7 +69,8 @@ def adapt_target(target: Target, dialect: str | None = None, spec: AdapterSpec |
     dialect = dialect or detect_dialect(node)
     label = spec_label(spec)
     if is_adapted(node):
-        return Outcome("unchanged", target.code, dialect, label, reason=f"{target.class_name} is already adapted ({AUX_OVER_PP_FLAG} = True)")
+        return Outcome("unchanged", target.code, dialect, label,
+                       reason=f"{target.class_name} is already adapted ({AUX_OVER_PP_FLAG} = True)")
     source = f"{target.module_name or target.label}:{target.class_name}"
     context = CodemodContext(filename=str(target.path), full_module_name=target.module_name)
     if dialect == "pipespec":

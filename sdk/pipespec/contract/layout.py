@@ -225,10 +225,12 @@ def _check_pp_size(pp_size: int, num_layers: int) -> None:
 def _check_partition(partition: Sequence[int], num_layers: int, pp_size: int) -> tuple[int, ...]:
     counts = tuple(partition)
     if len(counts) != pp_size:
-        raise LayoutError(f"partition {list(counts)} has {len(counts)} entries but the pipeline has {pp_size} stages: give one layer count per stage")
+        raise LayoutError(f"partition {list(counts)} has {len(counts)} entries but the pipeline has {pp_size} stages: "
+                          "give one layer count per stage")
     for c in counts:
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise LayoutError(f"partition {list(counts)} contains {c!r}: every stage needs a positive integer layer count")
     if sum(counts) != num_layers:
-        raise LayoutError(f"partition {list(counts)} sums to {sum(counts)} but the model has {num_layers} layers: the counts must add up to num_layers")
+        raise LayoutError(f"partition {list(counts)} sums to {sum(counts)} but the model has {num_layers} layers: "
+                          "the counts must add up to num_layers")
     return counts

@@ -7,8 +7,9 @@ Sources, from lowest to highest precedence:
 3. ``decorator`` — ``@pipespec.adapter(...)`` on a model class.
 
 A higher source overrides a lower one for the same architecture or class (so a user can fix a shipped
-spec without forking pipespec); the overridden spec then answers for none of its keys. Two specs of the *same* source claiming one architecture or class is
-an error naming both, because nothing says which one the user meant.
+spec without forking pipespec); the overridden spec then answers for none of its keys. Two specs of the
+*same* source claiming one architecture or class is an error naming both, because nothing says which one
+the user meant.
 """
 
 from __future__ import annotations

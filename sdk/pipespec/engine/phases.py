@@ -15,9 +15,9 @@ to attribute, not to measure throughput).
 ``$PIPESPEC_PROFILE=DIR`` runs the decode loop under ``torch.profiler`` and writes
 ``DIR/stage<rank>_ops.txt``: the operators by host time and, on CUDA, by device time.
 ``$PIPESPEC_PROFILE_PY=DIR`` runs it under ``cProfile`` instead and writes ``DIR/stage<rank>_py.txt``: the
-Python functions by their own time and by cumulative time (the whole profile in ``stage<rank>_py.prof``) — where a host-bound round's milliseconds go
-between the phases' spans (one of the two at a time: each profiler's overhead would land in the other's
-figures).
+Python functions by their own time and by cumulative time (the whole profile in ``stage<rank>_py.prof``) —
+where a host-bound round's milliseconds go between the phases' spans (one of the two at a time: each
+profiler's overhead would land in the other's figures).
 """
 
 from __future__ import annotations

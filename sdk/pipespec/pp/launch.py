@@ -51,7 +51,8 @@ START_METHOD_ENV = "PIPESPEC_START_METHOD"
 PRELOAD = [
     "torch", "torch.distributed", "safetensors", "transformers", "transformers.modeling_utils",
     "transformers.models.auto.modeling_auto", "libcst",
-    "pipespec.engine.worker", "pipespec.engine.draft_checkpoint", "pipespec.integrations.transformers.adapt", "pipespec.integrations.transformers.stage_cache",
+    "pipespec.engine.worker", "pipespec.engine.draft_checkpoint", "pipespec.integrations.transformers.adapt",
+    "pipespec.integrations.transformers.stage_cache",
 ]
 WATCHDOG_GRACE_S = 30.0
 # The rendezvous-store key where the first stage that loses a peer records what it lost (first writer

@@ -127,7 +127,8 @@ def class_facts(cls: type) -> list[ClassFacts]:
                 line = inspect.getsourcelines(forward)[1]
             except (OSError, TypeError):
                 line = 0
-        facts.append(ClassFacts(klass.__name__, source_file(klass), klass.__dict__.get(AUX_OVER_PP_FLAG), AUX_OVER_PP_FLAG in klass.__dict__,
+        own = klass.__dict__
+        facts.append(ClassFacts(klass.__name__, source_file(klass), own.get(AUX_OVER_PP_FLAG), AUX_OVER_PP_FLAG in own,
                                 forward is not None, _function_node(forward) if forward is not None else None, line))
     return facts
 
@@ -227,8 +228,9 @@ def judge_vllm_class(cls: type, pp: int = 2) -> Judgement:
     if is_model_class(cls):
         held = decoder_class_of(cls)
         if held is None:
-            return Judgement(cls.__name__, source_file(cls), False, f"no decoder stack found in `{cls.__name__}.__init__` (a `self.<attr> = "
-                                         "<Model>(...)` whose forward takes intermediate_tensors)")
+            return Judgement(cls.__name__, source_file(cls), False,
+                             f"no decoder stack found in `{cls.__name__}.__init__` (a `self.<attr> = <Model>(...)` "
+                             "whose forward takes intermediate_tensors)")
         decoder = held[1]
         if getattr(cls, "supports_eagle3", False) is not True:
             return Judgement(decoder.__name__, source_file(decoder), False,

@@ -24,8 +24,8 @@ from typing import Any
 
 from pipespec.errors import one_line
 
-__all__ = ["ARCH_FIXES", "CONSTRUCTOR_FIXES", "GENERIC_REMOTE", "REMOTE_MODEL_TYPES", "SIZE_LIMITS", "TOWERS_BUILT", "TinyConfigError", "architectures_of", "check_tiny",
-           "model_type_of", "tiny_vllm_config", "write_model_dir"]
+__all__ = ["ARCH_FIXES", "CONSTRUCTOR_FIXES", "GENERIC_REMOTE", "REMOTE_MODEL_TYPES", "SIZE_LIMITS", "TOWERS_BUILT",
+           "TinyConfigError", "architectures_of", "check_tiny", "model_type_of", "tiny_vllm_config", "write_model_dir"]
 
 #: Fields of the generic config used for architectures whose config class neither transformers nor vLLM
 #: ships (``trust_remote_code`` models): vLLM's modeling code reads these names from the HF config.

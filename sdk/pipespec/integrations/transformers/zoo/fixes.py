@@ -106,7 +106,8 @@ FIXES: dict[str, Fix] = {
     ),
     "gemma4_assistant": Fix(
         "the assistant has no per-layer inputs and reads a backbone of its own width",
-        _both(_text(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0), _set(backbone_hidden_size=HIDDEN, num_centroids=16, centroid_intermediate_top_k=4)),
+        _both(_text(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0),
+              _set(backbone_hidden_size=HIDDEN, num_centroids=16, centroid_intermediate_top_k=4)),
     ),
     "gemma4_unified_assistant": Fix(
         "the assistant reads a backbone of its own width and a centroid table",
@@ -148,8 +149,8 @@ FIXES: dict[str, Fix] = {
         "the causal LM is the decoder alone: built from the `decoder` sub-config, input is one row per codebook",
         _build_from("decoder", num_codebooks=2),
     ),
-    "phi4_multimodal": Fix("the audio encoder's convolution width is a separate field", lambda kw: kw[SUB_CONFIGS]["audio_config"][1].update(
-        ext_pw_out_channel=HIDDEN, num_blocks=1)),
+    "phi4_multimodal": Fix("the audio encoder's convolution width is a separate field",
+                           lambda kw: kw[SUB_CONFIGS]["audio_config"][1].update(ext_pw_out_channel=HIDDEN, num_blocks=1)),
     "reformer": Fix(
         "the causal LM requires is_decoder; axial position shape must factor the tiny sequence length",
         _set(is_decoder=True, axial_pos_shape=[8, 16], axial_pos_embds_dim=[32, 32], attn_layers=["local", "lsh"] * 3,

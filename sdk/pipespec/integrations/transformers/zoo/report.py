@@ -122,7 +122,8 @@ def _goals(results: Sequence[Any]) -> list[str]:
         "",
         f"- Llama-like (exact loop + variants): {sum(r.status is ZooStatus.VERIFIED for r in llama_like)} of {len(llama_like)} verified "
         "(goal: at least 110 of 120; the issue counted 120 with its own grouping, this table labels each type by "
-        "`pipespec.integrations.transformers.zoo.shapes.classify_forward_shape` on the decoder actually run, a multimodal model's text decoder).",
+        "`pipespec.integrations.transformers.zoo.shapes.classify_forward_shape` on the decoder actually run, "
+        "a multimodal model's text decoder).",
         f"- GPT2-style: {sum(r.status is ZooStatus.VERIFIED for r in gpt2)} of {len(gpt2)} verified (goal: at least 5 of 10).",
         f"- failed: {failed} (goal: 0).",
     ]
