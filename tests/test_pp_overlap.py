@@ -280,7 +280,8 @@ def _alias_stage(ctx: StageContext, alias: bool) -> str:
 
 @pytest.mark.timeout(180)
 def test_a_boundary_state_that_is_not_the_output_tensor_is_refused_unless_aliasing_is_off() -> None:
-    with pytest.raises(StageFailedError, match=r"stage 0 failed: RuntimeError: overlap transport: 'aux_hidden_states_1'.*alias_boundary=False"):
+    refused = r"stage 0 failed: RuntimeError: overlap transport: 'aux_hidden_states_1'.*alias_boundary=False"
+    with pytest.raises(StageFailedError, match=refused):
         run_stages(_alias_stage, True, 2, timeout_s=20)
     assert run_stages(_alias_stage, False, 2, timeout_s=20) == ["sent", "ok"]
 
@@ -297,14 +298,15 @@ def _silent_peer_stage(ctx: StageContext, _: None) -> None:
 @pytest.mark.timeout(120)
 def test_an_overlap_receive_that_never_completes_times_out_naming_the_key_and_peer() -> None:
     started = time.monotonic()
-    with pytest.raises(StageFailedError, match=r"stage 1 failed: PeerLostError: receiving aux_hidden_states_0 \(1, 2\) from stage 0 \(overlap\)"):
+    lost = r"stage 1 failed: PeerLostError: receiving aux_hidden_states_0 \(1, 2\) from stage 0 \(overlap\)"
+    with pytest.raises(StageFailedError, match=lost):
         run_stages(_silent_peer_stage, None, 2, timeout_s=3)
     assert time.monotonic() - started < 25
 
 
 def test_attach_refuses_a_model_configured_for_another_stage() -> None:
-    ctx = StageContext(rank=0, world_size=2, device=torch.device("cpu"), backend="gloo", timeout=__import__("datetime").timedelta(seconds=1),
-                       launcher="pipespec")
+    ctx = StageContext(rank=0, world_size=2, device=torch.device("cpu"), backend="gloo",
+                       timeout=__import__("datetime").timedelta(seconds=1), launcher="pipespec")
     model = SilentToy(4)
     model.set_pipeline_stage(1, 2)
     overlap = OverlapTransport(ctx, plan_layout(4, 2), HIDDEN, torch.float32)

@@ -142,7 +142,8 @@ def _crashing_stage(ctx: StageContext, how: str) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("how", "expected"), [("raise", "stage 1 failed: ValueError: boom in stage one"), ("exit", "stage 1 exited with code 3")])
+@pytest.mark.parametrize(("how", "expected"), [("raise", "stage 1 failed: ValueError: boom in stage one"),
+                                              ("exit", "stage 1 exited with code 3")])
 def test_a_failing_stage_is_named_and_the_others_are_stopped(how: str, expected: str) -> None:
     """The root cause wins over the stage that only lost its peer."""
     pids: list[int] = []

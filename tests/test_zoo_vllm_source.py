@@ -52,7 +52,8 @@ def test_files_adapted_unchanged_or_supported_meet_issue_31(zoo) -> None:
     assert ready >= READY_AT_LEAST[zoo.release], (
         f"vLLM {zoo.release}: {ready} of {files} files adapted, unchanged or supported (issue 31 wants >= "
         f"{READY_AT_LEAST[zoo.release]}); not ready: "
-        + "; ".join(f"{r.file}:{r.class_name} {r.status.value}" for r in zoo.rows if r.status not in (Status.ADAPTED, Status.UNCHANGED, Status.SUPPORTED)))
+        + "; ".join(f"{r.file}:{r.class_name} {r.status.value}" for r in zoo.rows
+                    if r.status not in (Status.ADAPTED, Status.UNCHANGED, Status.SUPPORTED)))
 
 
 def test_every_rewrite_passed_the_zoo_checks(zoo) -> None:

@@ -19,9 +19,10 @@ name, every attention output zeroed the same way in every build — see ``_silen
 Usage: tf_backend_stages.py --families llama,qwen2,gemma2 --pp 2,3 --ids 0,2,3,4,6 --out FILE.json
 It also records vLLM's own backend class on the same models, the bugs the subclass exists for: what its
 ``set_aux_hidden_state_layers`` says to ids with 0 (PP = 1), and what its first rank does with the other
-ids (PP >= 2: the keys it sends, or its error). Writes per family: ``num_layers``, the PP=1 errors, ``vllm_own``, and per PP size and rank: the keys sent (in order),
-the keys of its reserved receive buffer, each sent aux tensor's max abs error against the reference at
-its id, and on the last rank the error of each returned aux state. The test compares keys with
+ids (PP >= 2: the keys it sends, or its error). Writes per family: ``num_layers``, the PP=1 errors,
+``vllm_own``, and per PP size and rank: the keys sent (in order), the keys of its reserved receive buffer,
+each sent aux tensor's max abs error against the reference at its id, and on the last rank the error of
+each returned aux state. The test compares keys with
 ``plan_layout`` and errors with ``ATOL``. Every wait has a timeout; every process is joined or killed.
 """
 
