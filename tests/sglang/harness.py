@@ -60,12 +60,15 @@ class EngineRun:
     recorded: torch.Tensor | None = None  # what the last rank's logits processor received, every forward
 
 
-def run_engine(model: Path, pp: int, work: Path, *, plugin: bool = True, aux_ids: str = "") -> EngineRun:
-    """Start ``sglang.Engine`` on ``model`` at ``pp`` in its own process, generate greedily, shut it down."""
+def run_engine(model: Path, pp: int, work: Path, *, plugin: bool | str = True, aux_ids: str = "") -> EngineRun:
+    """Start ``sglang.Engine`` on ``model`` at ``pp`` in its own process, generate greedily, shut it down.
+
+    ``plugin``: on / off, or the literal value to give ``PIPESPEC_SGLANG``."""
     work.mkdir(parents=True, exist_ok=True)
     record = work / "aux"
     record.mkdir(exist_ok=True)
-    extra = {"PIPESPEC_SGLANG": "on" if plugin else "off", "PIPESPEC_TEST_AUX_DIR": str(record)}
+    switch = plugin if isinstance(plugin, str) else ("on" if plugin else "off")
+    extra = {"PIPESPEC_SGLANG": switch, "PIPESPEC_TEST_AUX_DIR": str(record)}
     if pp > 1:  # SGLang's CPU engine binds each rank's OpenMP threads to the cores named here, one group a rank
         extra["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(pp))
     env = standin_env(**extra)

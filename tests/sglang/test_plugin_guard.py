@@ -19,6 +19,14 @@ def test_without_plugin_sglang_refuses_aux_states_over_pp(tmp_path: Path) -> Non
     assert "--enable-return-aux-hidden-states only supports pp_size == 1" in run.stderr.strip().splitlines()[-1]
 
 
+def test_a_misspelt_switch_stops_the_run_in_one_line(tmp_path: Path) -> None:
+    """SGLang logs and swallows a plugin's exception; a typo in PIPESPEC_SGLANG must not silently mean off."""
+    model = write_tiny("llama", tmp_path / "model")
+    run = run_engine(model, 2, tmp_path / "run", plugin="of")
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == "UsageError: PIPESPEC_SGLANG='of': use 1 (on) or 0 (off)"
+
+
 def test_declined_class_is_refused_in_one_line_before_weights_load(tmp_path: Path) -> None:
     """Mixtral's SGLang decoder captures no aux states: nothing to relay, so the plugin refuses it. The
     checkpoint has a config and no weights: a refusal after loading would fail on the weights instead."""

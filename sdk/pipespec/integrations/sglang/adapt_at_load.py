@@ -48,10 +48,6 @@ class Decision:
         return {"architecture": self.architecture, "class": self.cls, "decision": str(self.decision),
                 "reason": self.reason, "spec": self.spec}
 
-    def log_line(self, pp: int) -> str:
-        where = f"over PP={pp}" if pp > 1 else "at PP=1"
-        return f"pipespec: adapted {self.cls.rpartition(':')[2]} for EAGLE3 aux states {where} ({self.spec})"
-
 
 def _sglang_version() -> str:
     from importlib.metadata import version

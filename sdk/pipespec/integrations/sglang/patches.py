@@ -10,6 +10,7 @@ Imports SGLang lazily, inside ``apply_patches``; importing this module needs no 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -162,4 +163,13 @@ def _resolve_adapted(original: Callable[..., tuple[type, str]], registry: Any, *
     from pipespec.integrations.sglang.adapt_at_load import adaptation_for
 
     adaptation = adaptation_for(cls)
-    return (adaptation.adapted if adaptation.adapted is not None else cls), architecture
+    if adaptation.adapted is None:
+        return cls, architecture
+    if cls.__name__ not in _logged:
+        _logged.add(cls.__name__)
+        logging.getLogger("sglang.plugins.pipespec").info(
+            "pipespec: %s built as adapted for EAGLE3 aux states over PP (%s)", cls.__name__, adaptation.label)
+    return adaptation.adapted, architecture
+
+
+_logged: set[str] = set()
