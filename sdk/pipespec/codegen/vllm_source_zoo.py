@@ -39,9 +39,9 @@ from typing import Any
 
 from pipespec.codemods.adapt_vllm_native import DecoderOutcome, adapt_vllm_module
 from pipespec.codemods.vllm_native_index import default_reader
-from pipespec.contract.names import AUX_OVER_PP_FLAG, VLLM_EAGLE3_INTERFACE, VLLM_EAGLE_MIXIN
+from pipespec.contract.names import AUX_OVER_PP_FLAG, VLLM_AUX_CALLS, VLLM_EAGLE3_INTERFACE, VLLM_EAGLE_MIXIN
 from pipespec.errors import UsageError
-from pipespec.integrations.vllm.readiness import AUX_CALLS, judge_decoder_source
+from pipespec.integrations.vllm.readiness import judge_decoder_source
 from pipespec.integrations.vllm.sources import MODELS, source_tree
 from pipespec.str_enum import StrEnum
 
@@ -291,7 +291,7 @@ def _contract_problem(classes: dict[str, ast.ClassDef], outcome: DecoderOutcome)
     if not any(_sets_true(stmt) for stmt in cls.body):
         return f"{name} does not set {AUX_OVER_PP_FLAG} = True in its own body"
     called = {_called_name(n) for n in ast.walk(cls) if isinstance(n, ast.Call)}
-    missing = [c for c in AUX_CALLS if c not in called]
+    missing = [c for c in VLLM_AUX_CALLS if c not in called]
     if missing:
         return f"{name} never calls {' / '.join(missing)}"
     for holder in outcome.causal_lm:

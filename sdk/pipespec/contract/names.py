@@ -35,5 +35,9 @@ AUX_MIXIN_MODULE, AUX_MIXIN = "pipespec.contract.mixin", "AuxHiddenStatesMixin"
 #: vLLM's decoder-side mixin that holds the flag and the aux helpers (``vllm.model_executor.models.interfaces``).
 VLLM_EAGLE_MIXIN = "EagleModelMixin"
 
+#: What a decoder's forward calls to relay aux states by ``EagleModelMixin``'s contract (llama.py's
+#: ``LlamaModel.forward``): collect the states received from upstream, pack its own for the next stage.
+VLLM_AUX_CALLS = ("collect_remote_aux_hidden_states", "pack_local_aux_hidden_states")
+
 #: vLLM's ``*ForCausalLM``-side EAGLE3 interface (``set_aux_hidden_state_layers`` and the default ids).
 VLLM_EAGLE3_INTERFACE = "SupportsEagle3"

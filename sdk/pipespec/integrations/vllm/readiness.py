@@ -26,10 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipespec.codemods.vllm_native_index import module_path
-from pipespec.contract.names import AUX_OVER_PP_FLAG, VLLM_EAGLE_MIXIN
+from pipespec.contract.names import AUX_OVER_PP_FLAG, VLLM_AUX_CALLS, VLLM_EAGLE_MIXIN
 
-# What a forward must call to handle aux states over PP by vLLM's EagleModelMixin contract.
-AUX_CALLS = ("collect_remote_aux_hidden_states", "pack_local_aux_hidden_states")
 FIX = ("adapt it with `adapter-gen {file} --dialect vllm --class {cls}` and register the result, "
        "or install pipespec's vLLM plugin (`pip install 'pipespec[vllm]'`), which adapts it at engine load")
 
@@ -113,7 +111,7 @@ def only_delegates_to_super(node: ast.FunctionDef | ast.AsyncFunctionDef) -> boo
 def handles_aux_over_pp(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     """True when the function itself calls both halves of vLLM's aux-over-PP contract."""
     called = {n.func.attr for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
-    return all(name in called for name in AUX_CALLS)
+    return all(name in called for name in VLLM_AUX_CALLS)
 
 
 def class_facts(cls: type) -> list[ClassFacts]:
@@ -151,7 +149,7 @@ def judge_facts(facts: list[ClassFacts]) -> Judgement:
         return Judgement(
             this.name, this.file, False,
             f"`{klass.name}.forward` ({klass.file}:{klass.forward_line}) overrides `{owner.name}.forward` without "
-            f"aux handling (no {' / '.join(AUX_CALLS)}); {AUX_OVER_PP_FLAG} = True is only inherited from `{owner.name}`",
+            f"aux handling (no {' / '.join(VLLM_AUX_CALLS)}); {AUX_OVER_PP_FLAG} = True is only inherited from `{owner.name}`",
             supported_by=owner.name)
     delegating = [k.name for k in facts[:owner_at] if k.defines_forward]
     if owner_at == 0:
