@@ -29,7 +29,8 @@ NUM_LAYERS_KEY_ATTR = "pipespec_num_layers_key"
 #: Class attribute of a decorated or runtime-adapted class: the ``AdapterSpec`` it was adapted by.
 SPEC_ATTR = "pipespec_spec"
 
-#: pipespec's decoder-side mixin, which adapted transformers and vLLM-dialect classes inherit.
+#: pipespec's decoder-side mixin: adapted transformers classes and the pipespec dialect's vLLM-style
+#: classes inherit it (the vllm dialect's output inherits vLLM's own mixin instead).
 AUX_MIXIN_MODULE, AUX_MIXIN = "pipespec.contract.mixin", "AuxHiddenStatesMixin"
 
 #: vLLM's decoder-side mixin that holds the flag and the aux helpers (``vllm.model_executor.models.interfaces``).
