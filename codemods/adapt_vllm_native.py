@@ -38,9 +38,9 @@ from pipespec.codemods.vllm_native_holders import Holder, adapt_holder, find_hol
 from pipespec.codemods.vllm_native_imports import add_imports, stamp
 from pipespec.codemods.vllm_native_index import ClassIndex, ModuleReader, default_reader
 from pipespec.codemods.vllm_native_lines import LineIndex
+from pipespec.codemods.vllm_native_loop import ClassLookup, Decline, ForwardPlan, is_pp_decoder
 from pipespec.codemods.vllm_native_modules import ModuleSources
 from pipespec.codemods.vllm_native_names import (
-    EAGLE3,
     GENERATOR,
     GENERATOR_VERSION,
     PP_DECODER,
@@ -50,17 +50,11 @@ from pipespec.codemods.vllm_native_names import (
     module_names,
     nn_module_type,
 )
-from pipespec.codemods.vllm_native_residual import RESIDUAL_RULES, zero_is_none
+from pipespec.codemods.vllm_native_residual import residual_read, zero_is_none
 from pipespec.codemods.vllm_native_runner_surface import decoder_surface, wrapper_surface
-from pipespec.codemods.vllm_native_shape import (
-    ClassLookup,
-    Decline,
-    ForwardPlan,
-    is_pp_decoder,
-    residual_read,
-)
-from pipespec.codemods.vllm_native_support import judge
-from pipespec.contract.spec import AdapterSpec
+from pipespec.codemods.vllm_native_support import DecoderStatus, judge
+from pipespec.contract.names import VLLM_EAGLE3_INTERFACE
+from pipespec.contract.spec import RESIDUAL_RULES, AdapterSpec
 from pipespec.errors import UsageError
 
 
@@ -69,7 +63,7 @@ class DecoderOutcome:
     """What happened to one decoder stack of the file."""
 
     class_name: str
-    status: str  # "adapted" | "unchanged" (already PP-correct per vLLM's contract) | "declined"
+    status: DecoderStatus
     reason: str  # "" when adapted; for declined: the construct and its line ("line 412: ...")
     causal_lm: tuple[str, ...]  # top-level classes of the file that hold this decoder
     decoder_attr: str | None  # the attribute of the *ForCausalLM holding it ("model", "transformer", ...)
@@ -102,7 +96,7 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
     Example::
 
         out = adapt_vllm_module(Path("gemma2.py").read_text(), label="gemma2.py")
-        [(d.class_name, d.status) for d in out.decoders]   # [("Gemma2Model", "adapted")]
+        [(d.class_name, d.status) for d in out.decoders]   # [("Gemma2Model", DecoderStatus.ADAPTED)]
     """
     if "intermediate_tensors" not in code:  # no forward can take it: skip libcst's (slow) parse
         try:
@@ -139,7 +133,7 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
     outcomes = [edit.decoder(dec, holders[dec.name.value]) for dec in chosen]
     if not edit.replace:
         return VllmAdaptation(code, tuple(outcomes))
-    new_module = module.with_changes(body=[edit.replace.get(id(s), s) for s in module.body])  # type: ignore[arg-type]
+    new_module = module.with_changes(body=[edit.replace.get(s, s) for s in module.body])  # type: ignore[arg-type]
     new_module = add_imports(new_module, edit.needed, absolute_imports)
     new_module = stamp(new_module, label, edit.adapted_names)
     return VllmAdaptation(new_module.code, tuple(outcomes))
@@ -153,10 +147,10 @@ class _FileEdit:
                  line_of: LineIndex, lookup: ClassLookup, rule: str | None = None) -> None:
         self.module, self.top, self.spec, self.label, self.line_of, self.lookup = module, top, spec, label, line_of, lookup
         self.rule = rule
-        self.replace: dict[int, cst.ClassDef] = {}
+        self.replace: dict[cst.ClassDef, cst.ClassDef] = {}  # original class -> its rewrite
         self.needed: set[str] = set()
         self.adapted_names: list[str] = []
-        self.eagle3_ready = {c.name.value for c in top if has_base(c, EAGLE3)}
+        self.eagle3_ready = {c.name.value for c in top if has_base(c, VLLM_EAGLE3_INTERFACE)}
 
     def decoder(self, dec: cst.ClassDef, held: list[Holder]) -> DecoderOutcome:
         name = dec.name.value
@@ -165,11 +159,11 @@ class _FileEdit:
         self.line_of.near(dec)
         try:
             status, reason = judge(dec, self.lookup)
-            if status == "adapted":
+            if status is DecoderStatus.ADAPTED:
                 self._adapt(dec, held)
         except Decline as exc:
-            status, reason = "declined", f"line {self.line_of(exc.node)}: {exc.reason}"
-        return DecoderOutcome(name, status, "" if status == "adapted" else reason, causal, attr)
+            status, reason = DecoderStatus.DECLINED, f"line {self.line_of(exc.node)}: {exc.reason}"
+        return DecoderOutcome(name, status, "" if status is DecoderStatus.ADAPTED else reason, causal, attr)
 
     def _plan(self, dec: cst.ClassDef) -> ForwardPlan | Branches | Helpers:
         found = forward_plans(dec, self.line_of, self.lookup)
@@ -193,7 +187,7 @@ class _FileEdit:
     def _adapt(self, dec: cst.ClassDef, held: list[Holder]) -> None:
         spec, replace, name = self.spec, self.replace, dec.name.value
         plan = self._plan(dec)
-        new_dec, imports = adapt_decoder(replace.get(id(dec), dec), plan, spec, self.label, self.module)
+        new_dec, imports = adapt_decoder(replace.get(dec, dec), plan, spec, self.label, self.module)
         if spec is not None and held and spec.embed_decoder_attr not in (None, held[0].attr):
             raise Decline(f"spec {spec.name} ({spec.source}) says embed.decoder_attr = {spec.embed_decoder_attr!r} "
                           f"but {held[0].cls.name.value} holds {name} as self.{held[0].attr}: fix the spec", held[0].cls)
@@ -202,22 +196,22 @@ class _FileEdit:
         edits = []
         for h in held:
             bases_ready = any(base_name(b) in self.eagle3_ready for b in bases_of(h.cls))
-            new_h, more = adapt_holder(replace.get(id(h.cls), h.cls), h.attr, plan.loop.layers_attr, bases_ready,
+            new_h, more = adapt_holder(replace.get(h.cls, h.cls), h.attr, plan.loop.layers_attr, bases_ready,
                                        module_type, h.multimodal)
             edits.append((h.cls, new_h))
             imports |= more
             self.eagle3_ready.add(h.cls.name.value)
             if h.wrapper is not None:
-                wrapped = share_embed(replace.get(id(h.wrapper), h.wrapper), h.wrapper_attr, new_dec, module_type)
+                wrapped = share_embed(replace.get(h.wrapper, h.wrapper), h.wrapper_attr, new_dec, module_type)
                 wrapped = wrapper_surface(wrapped, h.wrapper_attr)
                 edits.append((h.wrapper, wrapped))
-                replace[id(h.wrapper)] = wrapped
-        replace[id(dec)] = new_dec
+                replace[h.wrapper] = wrapped
+        replace[dec] = new_dec
         for old, new in edits:
-            replace[id(old)] = new
+            replace[old] = new
         self.needed |= imports
-        changed = {id(old) for old, new in edits if new is not old}
-        named = [h.cls.name.value for h in held if not h.multimodal or id(h.cls) in changed]
+        changed = {old for old, new in edits if new is not old}
+        named = [h.cls.name.value for h in held if not h.multimodal or h.cls in changed]
         self.adapted_names += [name, *named, *(h.wrapper.name.value for h in held if h.wrapper is not None)]
 
 

@@ -30,18 +30,9 @@ import libcst as cst
 import libcst.matchers as m
 
 from pipespec.codemods.vllm_native_helpers import Helpers, helper_plan
-from pipespec.codemods.vllm_native_loop import Loop, code_of
-from pipespec.codemods.vllm_native_shape import (
-    ClassLookup,
-    Decline,
-    ForwardPlan,
-    bound_names,
-    forward_plan,
-    methods,
-    plan_loop,
-    running_loops,
-    stage_loops,
-)
+from pipespec.codemods.vllm_native_loop import ClassLookup, Decline, ForwardPlan, Loop, methods, stage_loops
+from pipespec.codemods.vllm_native_names import snippet_of
+from pipespec.codemods.vllm_native_shape import bound_names, forward_plan, plan_loop, running_loops
 
 
 @dataclass(frozen=True)
@@ -89,9 +80,9 @@ def forward_plans(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int],
     first = min(i for i, s in enumerate(top) for lp in running if any(x is lp for x in m.findall(s, m.For())))
     prelude_at = cst.ensure_type(top[first], cst.If)
     prefix = tuple(top[:first])
-    removed = {id(n) for p in plans for n in p.remove}
+    removed = {n for p in plans for n in p.remove}
     # the model's own capture before the branches (not just its `aux = []`), removed by every branch's plan
-    had_start = any(id(s) in removed and m.findall(s, m.Call()) for s in prefix)
+    had_start = any(s in removed and m.findall(s, m.Call()) for s in prefix)
     own = [p for p in plans if p.own_capture]
     if own and len(own) < len(plans) and not had_start:
         raise Decline("the branches' layer loops disagree about id start_layer: one keeps the model's own capture "
@@ -125,7 +116,7 @@ def settle(branches: Branches, paths: Sequence[tuple[cst.For, list[cst.BaseState
         watched = {plan.hidden} | ({plan.residual} if plan.residual and not plan.own_capture else set())
         for stmt in path[len(branches.prefix):at]:
             if bound_names(stmt) & watched:
-                raise Decline(f"`{code_of(stmt)}` rebinds `{'/'.join(sorted(bound_names(stmt) & watched))}` between the "
+                raise Decline(f"`{snippet_of(stmt)}` rebinds `{'/'.join(sorted(bound_names(stmt) & watched))}` between the "
                               "branch's start and its layer loop: the id start_layer capture, shared by the branches, "
                               "would not be the stream that loop starts from", stmt)
     return branches
@@ -140,25 +131,25 @@ def _paths(fn: cst.FunctionDef, running: list[cst.For]) -> list[tuple[cst.For, l
     are not one per branch: a loop not at forward's top level or directly in a top-level ``if``/``else``
     block, a branch that does not end in ``return`` with code after it, or a path that runs two loops."""
     top = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
-    where: dict[int, tuple[int, list[cst.BaseStatement] | None]] = {}
+    where: dict[cst.For, tuple[int, list[cst.BaseStatement] | None]] = {}
     for loop in running:
         for i, stmt in enumerate(top):
             if stmt is loop:
-                where[id(loop)] = (i, None)
+                where[loop] = (i, None)
                 break
             if isinstance(stmt, cst.If):
                 blocks = [stmt.body, *([stmt.orelse.body] if isinstance(stmt.orelse, cst.Else) else [])]
                 hit = next((b for b in blocks if isinstance(b, cst.IndentedBlock)
                             and any(x is loop for x in _through_try(b.body))), None)
                 if hit is not None:
-                    where[id(loop)] = (i, _through_try(hit.body))
+                    where[loop] = (i, _through_try(hit.body))
                     break
         else:
             return None
     owners = {i for i, _ in where.values()}
     out: list[tuple[cst.For, list[cst.BaseStatement]]] = []
     for loop in running:
-        at, block = where[id(loop)]
+        at, block = where[loop]
         path: list[cst.BaseStatement] = []
         for j, stmt in enumerate(top):
             if j == at:

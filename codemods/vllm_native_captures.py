@@ -10,13 +10,9 @@ import libcst as cst
 import libcst.matchers as m
 
 from pipespec.codemods.vllm_forward_shape import names_in, self_attr
-from pipespec.codemods.vllm_native_loop import (
-    FLAG,
-    Decline,
-    Loop,
-    code_of,
-    layer_call_at,
-)
+from pipespec.codemods.vllm_native_loop import Decline, Loop, layer_call_at
+from pipespec.codemods.vllm_native_names import snippet_of
+from pipespec.contract.names import AUX_OVER_PP_FLAG
 
 
 def sent_stream(body: Sequence[cst.BaseStatement], nonlast: Sequence[cst.Return]) -> tuple[str, str | None]:
@@ -29,17 +25,17 @@ def sent_stream(body: Sequence[cst.BaseStatement], nonlast: Sequence[cst.Return]
         entry = _dict_entries(ret, body)
         value = entry.get("hidden_states")
         if not isinstance(value, cst.Name):
-            shown = code_of(value) if value is not None else "no hidden_states"
-            raise Decline(f"a non-last-rank return sends `{shown}` as \"hidden_states\" (`{code_of(ret)}`), not the "
+            shown = snippet_of(value) if value is not None else "no hidden_states"
+            raise Decline(f"a non-last-rank return sends `{shown}` as \"hidden_states\" (`{snippet_of(ret)}`), not the "
                           "stream the layers produce: a capture of that branch would not be what the next stage receives", ret)
         sent_hidden.add(value.value)
         res = entry.get("residual")
         if res is not None and not isinstance(res, cst.Name):
-            raise Decline(f"a non-last-rank return sends `{code_of(res)}` as \"residual\", not a name the layers assign", ret)
+            raise Decline(f"a non-last-rank return sends `{snippet_of(res)}` as \"residual\", not a name the layers assign", ret)
         sent_residual.add(res.value if isinstance(res, cst.Name) else None)
     if len(sent_hidden) != 1 or len(sent_residual) != 1:
         raise Decline("the non-last-rank returns send different tensors (`"
-                      + "`, `".join(code_of(r) for r in nonlast) + "`): the captured stream differs by branch", nonlast[1])
+                      + "`, `".join(snippet_of(r) for r in nonlast) + "`): the captured stream differs by branch", nonlast[1])
     return sent_hidden.pop(), sent_residual.pop()
 
 
@@ -54,7 +50,7 @@ def _dict_entries(ret: cst.Return, body: Sequence[cst.BaseStatement]) -> dict[st
         value = getattr(found[0], "value", None) if len(found) == 1 else None
         table = value if isinstance(value, cst.BaseExpression) else None
     if not isinstance(table, cst.Dict):
-        raise Decline(f"the non-last-rank return `{code_of(ret)}` is not IntermediateTensors({{...}}) with a dict "
+        raise Decline(f"the non-last-rank return `{snippet_of(ret)}` is not IntermediateTensors({{...}}) with a dict "
                       "literal (or a name bound once to one)", ret)
     out: dict[str, cst.BaseExpression] = {}
     for el in table.elements:
@@ -63,7 +59,7 @@ def _dict_entries(ret: cst.Return, body: Sequence[cst.BaseStatement]) -> dict[st
         elif isinstance(el, cst.StarredDictElement):
             if m.matches(el.value, m.Call(func=m.Attribute(attr=m.Name("pack_local_aux_hidden_states")))):
                 raise Decline("already packs aux states (pack_local_aux_hidden_states) but the class does not set "
-                              f"{FLAG} = True itself: review it and add that line", ret)
+                              f"{AUX_OVER_PP_FLAG} = True itself: review it and add that line", ret)
     return out
 
 
@@ -142,7 +138,7 @@ def is_aux_return_guard(stmt: cst.CSTNode, aux: set[str]) -> bool:
 
 
 def before_layer_captures(body: list[cst.BaseStatement], loop: cst.For, parsed: Loop, aux: set[str],
-                           removed: set[int]) -> tuple[cst.If | None, cst.If | None]:
+                           removed: set[cst.CSTNode]) -> tuple[cst.If | None, cst.If | None]:
     """The model's own capture *before* each layer (``if idx in self.aux_hidden_state_layers:`` ahead of
     the layer call: id ``idx`` is what enters layer ``idx``) and its last id after the loop (``if
     self.end_layer in self.aux_hidden_state_layers:``), e.g. DeepSeek-V2's, which all-gathers
@@ -157,7 +153,7 @@ def before_layer_captures(body: list[cst.BaseStatement], loop: cst.For, parsed: 
         return None, None
     layers = m.Attribute(value=m.Name("self"), attr=m.Name("aux_hidden_state_layers"))
     inside = list(cst.ensure_type(loop.body, cst.IndentedBlock).body)
-    before = [s for s in inside[:layer_at] if id(s) not in removed and isinstance(s, cst.If) and s.orelse is None
+    before = [s for s in inside[:layer_at] if s not in removed and isinstance(s, cst.If) and s.orelse is None
               and m.matches(s.test, m.Comparison(left=m.Name(idx), comparisons=[m.ComparisonTarget(m.In(), layers)]))
               and names_in(s.body) & aux]
     at = next(i for i, s in enumerate(body) if s is loop)
@@ -168,7 +164,7 @@ def before_layer_captures(body: list[cst.BaseStatement], loop: cst.For, parsed: 
     return before[0], end[0]
 
 
-def own_value_captures(loop: cst.For, parsed: Loop, aux: set[str], removed: set[int]) -> list[cst.If]:
+def own_value_captures(loop: cst.For, parsed: Loop, aux: set[str], removed: set[cst.CSTNode]) -> list[cst.If]:
     """The loop's own captures that compute a model-specific value after the layer, kept as they are.
 
     ``if (idx + 1) in self.aux_hidden_state_layers: <value>; aux.append(<value>)`` after the layer call,
@@ -187,7 +183,7 @@ def own_value_captures(loop: cst.For, parsed: Loop, aux: set[str], removed: set[
     out: list[cst.If] = []
     seen_call = False
     for stmt in body:
-        if id(stmt) in removed:
+        if stmt in removed:
             continue
         if not seen_call and m.findall(stmt, m.Assign(targets=[m.AssignTarget(m.Tuple() | m.Name())], value=m.Call())):
             seen_call = True
@@ -229,12 +225,12 @@ def conditional_residual(captures: Sequence[cst.CSTNode], residual: str) -> str 
         for call in m.findall(node, m.Call(func=m.Attribute(attr=m.Name("_maybe_add_hidden_state")))):
             call_args = cst.ensure_type(call, cst.Call).args
             if len(call_args) == 4 and not m.matches(call_args[1].value, self_attr("start_layer")):
-                args.add(code_of(call_args[3].value) if isinstance(call_args[3].value, cst.IfExp) else "")
+                args.add(snippet_of(call_args[3].value) if isinstance(call_args[3].value, cst.IfExp) else "")
     if len(args) != 1:
         return None
     (arg,) = args
     expr = cst.parse_expression(arg) if arg else None
     if not isinstance(expr, cst.IfExp):
         return None
-    pair = {code_of(expr.body), code_of(expr.orelse)}
+    pair = {snippet_of(expr.body), snippet_of(expr.orelse)}
     return arg if pair == {residual, "None"} and residual not in names_in(expr.test) else None

@@ -13,18 +13,17 @@ from pipespec.codemods.vllm_forward_shape import is_docstring, names_in, self_at
 from pipespec.codemods.vllm_native_branches import Branches
 from pipespec.codemods.vllm_native_forward import RewriteForward
 from pipespec.codemods.vllm_native_helpers import Helpers
+from pipespec.codemods.vllm_native_loop import Decline, ForwardPlan, methods, own_flag, params_of
 from pipespec.codemods.vllm_native_names import (
     DRAFTER_EMBEDS,
     GENERATOR,
     GENERATOR_VERSION,
-    MARKER_ATTR,
-    MIXIN,
     TARGET_EMBED,
     has_base,
     module_names,
     nn_module_type,
 )
-from pipespec.codemods.vllm_native_shape import FLAG, Decline, ForwardPlan, methods, own_flag, params_of
+from pipespec.contract.names import AUX_OVER_PP_FLAG, GENERATED_BY_ATTR, VLLM_EAGLE_MIXIN
 from pipespec.contract.spec import AdapterSpec
 
 
@@ -67,7 +66,7 @@ def adapt_decoder(dec: cst.ClassDef, plan: ForwardPlan | Branches | Helpers, spe
         at = next(i for i, s in enumerate(body) if s is new_forward)
         body.insert(at, alias.with_changes(leading_lines=[cst.EmptyLine(indent=False)]))
     marker = json.dumps(f"{GENERATOR} v{GENERATOR_VERSION} from {label.split(' ')[0]}")
-    lines = [cst.parse_statement(f"{FLAG} = True\n"), cst.parse_statement(f"{MARKER_ATTR} = {marker}\n")]
+    lines = [cst.parse_statement(f"{AUX_OVER_PP_FLAG} = True\n"), cst.parse_statement(f"{GENERATED_BY_ATTR} = {marker}\n")]
     at = 1 if body and is_docstring(body[0]) else 0
     if at:
         lines[0] = lines[0].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
@@ -75,11 +74,11 @@ def adapt_decoder(dec: cst.ClassDef, plan: ForwardPlan | Branches | Helpers, spe
         body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
     body[at:at] = lines
     bases = list(dec.bases)
-    if not has_base(dec, MIXIN):
-        imports.add(MIXIN)
+    if not has_base(dec, VLLM_EAGLE_MIXIN):
+        imports.add(VLLM_EAGLE_MIXIN)
         if bases:
             bases[-1] = bases[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-        bases.append(cst.Arg(cst.Name(MIXIN)))
+        bases.append(cst.Arg(cst.Name(VLLM_EAGLE_MIXIN)))
     return dec.with_changes(bases=bases, lpar=cst.LeftParen(), rpar=cst.RightParen(),
                             body=dec.body.with_changes(body=body)), imports
 

@@ -11,8 +11,8 @@ import libcst.matchers as m
 from pipespec.codemods.vllm_forward_shape import names_in
 from pipespec.codemods.vllm_native_branches import Branches
 from pipespec.codemods.vllm_native_helpers import Helpers
-from pipespec.codemods.vllm_native_names import REMOVED_MARK, code_of_exact
-from pipespec.codemods.vllm_native_shape import ForwardPlan, code_of
+from pipespec.codemods.vllm_native_loop import ForwardPlan
+from pipespec.codemods.vllm_native_names import REMOVED_MARK, flat_source_of, source_of
 
 
 class RewriteForward(cst.CSTTransformer):
@@ -28,11 +28,11 @@ class RewriteForward(cst.CSTTransformer):
         self.plan = plans[0] if plans else None
         edits: tuple[ForwardPlan | Helpers, ...] = plans or (cst.ensure_type(plan, Helpers),)  # what marks nodes
         self.aux, self.hidden = edits[0].aux, edits[0].hidden
-        self.by_loop = {id(p.loop.node): p for p in plans}
-        self.remove = {id(n) for p in edits for n in p.remove}
-        self.nonlast = {id(r) for p in edits for r in p.nonlast}
-        self.sent_by = {id(r): p for p in plans for r in p.nonlast}
-        self.last = {id(r) for p in edits for r in p.last}
+        self.by_loop = {p.loop.node: p for p in plans}
+        self.remove = {n for p in edits for n in p.remove}
+        self.nonlast = {r for p in edits for r in p.nonlast}
+        self.sent_by = {r: p for p in plans for r in p.nonlast}
+        self.last = {r for p in edits for r in p.last}
         self.own_kept = all(p.own_capture for p in plans) if plans else True
         used = {self.aux, self.hidden}.union(*(names_in(p.loop.node) for p in plans))
         if isinstance(plan, Helpers):
@@ -85,7 +85,7 @@ class RewriteForward(cst.CSTTransformer):
         return None
 
     def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode):  # type: ignore[no-untyped-def]
-        if id(original_node) in self.remove:  # a placeholder that leave_IndentedBlock drops
+        if original_node in self.remove:  # a placeholder that leave_IndentedBlock drops
             return cst.SimpleStatementLine([cst.Pass()], leading_lines=getattr(original_node, "leading_lines", ()),
                                            trailing_whitespace=cst.TrailingWhitespace(comment=cst.Comment(REMOVED_MARK)))
         h = self.helpers
@@ -141,13 +141,13 @@ class RewriteForward(cst.CSTTransformer):
         return updated_node.with_changes(body=body)
 
     def leave_For(self, original_node: cst.For, updated_node: cst.For) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
-        p = self.by_loop.get(id(original_node))
+        p = self.by_loop.get(original_node)
         if p is None:
             return updated_node
         aux = p.aux
         indent = 4 + 4 * (self.blocks + 1)  # the loop body's column (12 for a loop at forward's top level)
         capture = cst.parse_statement(wrapped_call("self._maybe_add_hidden_state", [
-            aux, code_of(p.loop.next_id), p.hidden, self._residual_after_layer(p)], indent=indent))
+            aux, flat_source_of(p.loop.next_id), p.hidden, self._residual_after_layer(p)], indent=indent))
         body = cst.ensure_type(updated_node.body, cst.IndentedBlock)
         if p.before_capture is not None and p.end_capture is not None:  # the model's own capture before each layer
             prelude = [
@@ -171,9 +171,9 @@ class RewriteForward(cst.CSTTransformer):
             ]
             return cst.FlattenSentinel([*prelude, updated_node.with_changes(leading_lines=())])
         new_iter = p.loop.new_iter
-        if new_iter is not None and len(code_of_exact(updated_node.target if p.loop.new_target is None else p.loop.new_target)
-                                        + code_of_exact(new_iter)) + 4 * self.blocks + 16 > LINE:  # vLLM's own multi-line form
-            inner = code_of_exact(cst.ensure_type(new_iter, cst.Call).args[0].value)
+        if new_iter is not None and len(source_of(updated_node.target if p.loop.new_target is None else p.loop.new_target)
+                                        + source_of(new_iter)) + 4 * self.blocks + 16 > LINE:  # vLLM's own multi-line form
+            inner = source_of(cst.ensure_type(new_iter, cst.Call).args[0].value)
             header = cst.ensure_type(cst.parse_statement(
                 f"for _ in enumerate(\n    {inner},\n    start=self.start_layer,\n):\n    pass\n"), cst.For)
             new_iter = header.iter
@@ -209,9 +209,9 @@ class RewriteForward(cst.CSTTransformer):
         if self.plan is not None and original_node is self.plan.gather:  # each captured state gathered too
             return cst.FlattenSentinel([updated_node, self._gather_captures(updated_node)])
         if self.plan is not None and original_node is self.plan.start_capture:
-            test = f"get_pp_group().is_first_rank and {code_of(updated_node.test)}"  # id start_layer: the first rank's
+            test = f"get_pp_group().is_first_rank and {flat_source_of(updated_node.test)}"  # id start_layer: the first rank's
             if 4 + 4 * self.blocks + len(f"if {test}:") > LINE:  # vLLM's multi-line form
-                test = f"(\n    get_pp_group().is_first_rank\n    and {code_of(updated_node.test)}\n)"
+                test = f"(\n    get_pp_group().is_first_rank\n    and {flat_source_of(updated_node.test)}\n)"
             header = cst.ensure_type(cst.parse_statement(f"if {test}:\n    pass\n"), cst.If)
             guarded = updated_node.with_changes(test=header.test, whitespace_before_test=header.whitespace_before_test)
             return cst.FlattenSentinel([*self._prelude(original_node, "None", False), guarded])
@@ -219,7 +219,7 @@ class RewriteForward(cst.CSTTransformer):
             return updated_node
         idx = self.plan.loop.next_id.left.value  # type: ignore[attr-defined]
         header = cst.ensure_type(cst.parse_statement(  # id start_layer is the first rank's (vLLM's layout)
-            f"if {code_of(updated_node.test)} and (\n    {idx} != self.start_layer or get_pp_group().is_first_rank\n):\n"
+            f"if {flat_source_of(updated_node.test)} and (\n    {idx} != self.start_layer or get_pp_group().is_first_rank\n):\n"
             "    pass\n"), cst.If)
         safe = _none_safe(updated_node, self.plan.hidden, self.plan.residual)
         return safe.with_changes(test=header.test, whitespace_before_test=header.whitespace_before_test)
@@ -230,23 +230,23 @@ class RewriteForward(cst.CSTTransformer):
                                                  cst.SimpleStatementLine).body[0], cst.Assign)
         item = "state" if "state" not in names_in(assign.value) else "aux_state"
         value = cst.ensure_type(assign.value.visit(_Rename(self.hidden, item)), cst.BaseExpression)
-        text = f"{self.aux} = [{code_of_exact(value)} for {item} in {self.aux}]"
+        text = f"{self.aux} = [{source_of(value)} for {item} in {self.aux}]"
         indent = 4 + 4 * (self.blocks + 1)
         if indent + len(text) > LINE:  # vLLM's multi-line form
-            text = f"{self.aux} = [\n    {code_of_exact(value)}\n    for {item} in {self.aux}\n]"
-        return cst.ensure_type(cst.parse_statement(f"if {code_of_exact(gather.test)}:\n" + "".join(
+            text = f"{self.aux} = [\n    {source_of(value)}\n    for {item} in {self.aux}\n]"
+        return cst.ensure_type(cst.parse_statement(f"if {source_of(gather.test)}:\n" + "".join(
             f"    {line}\n" for line in text.splitlines())), cst.If)
 
     def leave_Return(self, original_node: cst.Return, updated_node: cst.Return) -> cst.Return:
-        if id(original_node) not in self.nonlast:
+        if original_node not in self.nonlast:
             return updated_node
         call = cst.ensure_type(updated_node.value, cst.Call)
         pack = cst.parse_expression(f"self.pack_local_aux_hidden_states({self.aux})")
         if isinstance(call.args[0].value, cst.Name):  # IntermediateTensors(tensors): a dict built above
-            merged = cst.parse_expression(f"{{**{call.args[0].value.value}, **{code_of(pack)}}}")
+            merged = cst.parse_expression(f"{{**{call.args[0].value.value}, **{flat_source_of(pack)}}}")
             return updated_node.with_changes(value=call.with_changes(args=[call.args[0].with_changes(value=merged)]))
         table = cst.ensure_type(call.args[0].value, cst.Dict)
-        plan = self.sent_by.get(id(original_node))
+        plan = self.sent_by.get(original_node)
         zeroed = None if plan is None else self._zeroed_residual(plan)
         if zeroed is not None and plan is not None:
             table = table.with_changes(elements=[
@@ -263,31 +263,31 @@ class RewriteForward(cst.CSTTransformer):
         elements[-1] = last.with_changes(comma=sep)
         table = table.with_changes(elements=[*elements, new])
         original = cst.ensure_type(call.args[0].value, cst.Dict)
-        flat = f"return {code_of_exact(call.func)}({code_of_exact(original)[:-1]}, **{code_of(pack)}}})"
-        if "\n" not in code_of_exact(original) and len(flat) + 12 + len(zeroed or "") > LINE:
+        flat = f"return {source_of(call.func)}({source_of(original)[:-1]}, **{flat_source_of(pack)}}})"
+        if "\n" not in source_of(original) and len(flat) + 12 + len(zeroed or "") > LINE:
             lines = []  # vLLM's multi-line form for a dict that no longer fits on one line
             for el in elements + [new]:
                 pad = " " * (4 + 4 * self.blocks + 8)  # where vLLM's format puts the dict's entries
-                one = f"{pad}{code_of_exact(el.key)}: {code_of_exact(el.value)}," if isinstance(el, cst.DictElement) else ""
+                one = f"{pad}{source_of(el.key)}: {source_of(el.value)}," if isinstance(el, cst.DictElement) else ""
                 if isinstance(el, cst.DictElement) and isinstance(el.value, cst.IfExp) and len(one) > LINE:
-                    lines.append(_split_conditional(code_of_exact(el.key), el.value, len(pad)))
+                    lines.append(_split_conditional(source_of(el.key), el.value, len(pad)))
                 elif isinstance(el, cst.DictElement):
-                    lines.append(f"        {code_of_exact(el.key)}: {code_of_exact(el.value)},\n")
+                    lines.append(f"        {source_of(el.key)}: {source_of(el.value)},\n")
                 else:
-                    lines.append(f"        **{code_of_exact(el.value)},\n")
-            text = f"return {code_of_exact(call.func)}(\n    {{\n{''.join(lines)}    }}\n)\n"
+                    lines.append(f"        **{source_of(el.value)},\n")
+            text = f"return {source_of(call.func)}(\n    {{\n{''.join(lines)}    }}\n)\n"
             return cst.ensure_type(cst.ensure_type(cst.parse_statement(text), cst.SimpleStatementLine).body[0], cst.Return)
         return updated_node.with_changes(value=call.with_changes(args=[call.args[0].with_changes(value=table)]))
 
     def leave_SimpleStatementLine(
         self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
     ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
-        rets = [s for s in original_node.body if id(s) in self.last]
+        rets = [s for s in original_node.body if s in self.last]
         if not rets:
             return updated_node
         ret = cst.ensure_type(rets[0], cst.Return)
         assert ret.value is not None
-        value = code_of_exact(ret.value)
+        value = source_of(ret.value)
         aux = self.aux
         lines = [
             cst.parse_statement(f"{aux} = {self.remote} + {aux}\n").with_changes(leading_lines=updated_node.leading_lines),
@@ -300,12 +300,12 @@ class RewriteForward(cst.CSTTransformer):
 def _split_conditional(key: str, value: cst.IfExp, pad: int) -> str:
     """``key: body if test else orelse,`` as ruff's format splits it where it does not fit, relative to
     the multi-line dict's entries (the ``and`` of a test that does not fit either on a line of its own)."""
-    test = [f"if {code_of_exact(value.test)}"]
+    test = [f"if {source_of(value.test)}"]
     if pad + len(test[0]) > LINE and isinstance(value.test, cst.BooleanOperation):
-        op = code_of_exact(value.test.operator).strip()
-        test = [f"if {code_of_exact(value.test.left)}", f"{op} {code_of_exact(value.test.right)}"]
-    return "".join(f"        {line}\n" for line in (f"{key}: {code_of_exact(value.body)}", *test,
-                                                    f"else {code_of_exact(value.orelse)},"))
+        op = source_of(value.test.operator).strip()
+        test = [f"if {source_of(value.test.left)}", f"{op} {source_of(value.test.right)}"]
+    return "".join(f"        {line}\n" for line in (f"{key}: {source_of(value.body)}", *test,
+                                                    f"else {source_of(value.orelse)},"))
 
 
 class _Rename(cst.CSTTransformer):
@@ -352,7 +352,7 @@ class _NoneSafeAdd(cst.CSTTransformer):
         if not (isinstance(left, cst.Name) and isinstance(right, cst.Name) and {left.value, right.value} == self.pair):
             return updated_node
         hidden = left.value if left.value != self.residual else right.value
-        return cst.parse_expression(f"({hidden} if {self.residual} is None else {code_of_exact(updated_node)})")
+        return cst.parse_expression(f"({hidden} if {self.residual} is None else {source_of(updated_node)})")
 
 
 LINE = 88  # vLLM's line length (ruff format): generated lines longer than this are wrapped the way it would

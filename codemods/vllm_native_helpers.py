@@ -34,8 +34,16 @@ import libcst.matchers as m
 
 from pipespec.codemods.vllm_forward_shape import names_in, own_scope, self_attr
 from pipespec.codemods.vllm_native_captures import is_aux_return_guard
-from pipespec.codemods.vllm_native_loop import INTERMEDIATE, RANK, Decline, Loop, code_of, methods, params_of
-from pipespec.codemods.vllm_native_shape import stage_loops
+from pipespec.codemods.vllm_native_loop import (
+    INTERMEDIATE,
+    RANK,
+    Decline,
+    Loop,
+    methods,
+    params_of,
+    stage_loops,
+)
+from pipespec.codemods.vllm_native_names import snippet_of
 
 _LAYERS_LIST = m.Attribute(value=m.Name("self"), attr=m.Name("aux_hidden_state_layers"))
 
@@ -95,7 +103,7 @@ def helper_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Hel
     value = cst.ensure_type(assign, cst.SimpleStatementLine).body[0].value  # type: ignore[attr-defined]
     table = _table_read(value)
     if table is None:
-        raise Decline(f"`{code_of(assign)}` does not read the helpers' captures in the order of "
+        raise Decline(f"`{snippet_of(assign)}` does not read the helpers' captures in the order of "
                       "self.aux_hidden_state_layers (`[table[i] for i in self.aux_hidden_state_layers if i in table]`)", assign)
     keyed_by_entry = False
     for _, _, call in calls:
@@ -105,15 +113,15 @@ def helper_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Hel
         ids_arg, table_arg = args.get(ids_param), args.get(table_param)
         if not (m.matches(ids_arg, m.Call(func=m.Name("range"), args=[m.Arg(self_attr("start_layer")), m.Arg()])
                           | m.Call(func=m.Name("range"), args=[m.Arg(), m.Arg(self_attr("end_layer"))]))):
-            raise Decline(f"`{code_of(call)}` runs the layers `{code_of(ids_arg) if ids_arg else 'of no range'}`, not "
+            raise Decline(f"`{snippet_of(call)}` runs the layers `{snippet_of(ids_arg) if ids_arg else 'of no range'}`, not "
                           "a range of this stage's (self.start_layer, ...) / (..., self.end_layer)", call)
         if not m.matches(table_arg, m.Name(table)):
-            raise Decline(f"`{code_of(call)}` keeps its captures elsewhere than `{table}`, which forward returns", call)
+            raise Decline(f"`{snippet_of(call)}` keeps its captures elsewhere than `{table}`, which forward returns", call)
         keyed_by_entry |= entry
     returns = own_scope(fn).returns
     early = [r for r in returns if line_of(r) < line_of(assign)]
     if early:
-        raise Decline(f"forward returns before it assembles `{aux}` (`{code_of(early[0])}`): that path does not run "
+        raise Decline(f"forward returns before it assembles `{aux}` (`{snippet_of(early[0])}`): that path does not run "
                       "the helpers that run this stage's layers, so it would neither take the upstream ranks' aux "
                       "states nor pack this rank's for the next", early[0])
     nonlast = tuple(r for r in returns if m.matches(r.value, INTERMEDIATE))
@@ -146,11 +154,11 @@ def _runner(meth: cst.FunctionDef, layers: str) -> tuple[cst.For, str, str, bool
         key = [s for s in stores if m.matches(s.value, m.Name(table))]
         entry = all(m.matches(k, _keyed(m.Name(idx))) for k in key)
         after = all(m.matches(k, _keyed(m.BinaryOperation(m.Name(idx), m.Add(), m.Integer("1")))) for k in key)
-        inside = {id(s) for s in stores}
+        inside = set(stores)
         elsewhere = [cst.ensure_type(cst.ensure_type(t, cst.AssignTarget).target, cst.Subscript)
                      for t in m.findall(meth, m.AssignTarget(m.Subscript(value=m.Name(table))))]
         outside_ok = all(m.matches(s, _keyed(self_attr("end_layer")))
-                         for s in elsewhere if id(s) not in inside)
+                         for s in elsewhere if s not in inside)
         if (entry or after) and outside_ok:
             return loop, ids, table, entry
     return None
@@ -205,13 +213,13 @@ def _check_table(fn: cst.FunctionDef, body: list[cst.BaseStatement], own: dict[s
         if stmt is inits[0] or table not in names_in(stmt):
             continue
         for target in m.findall(stmt, m.AssignTarget(m.Subscript(value=m.Name(table))) | m.AssignTarget(m.Name(table))):
-            raise Decline(f"`{code_of(stmt)}` writes `{table}` in forward itself: only the helpers' captures are "
+            raise Decline(f"`{snippet_of(stmt)}` writes `{table}` in forward itself: only the helpers' captures are "
                           "understood", target)
         for call in m.findall(stmt, m.Call(args=[m.ZeroOrMore(), m.Arg(m.Name(table)), m.ZeroOrMore()])):
             func = cst.ensure_type(call, cst.Call).func
             name = func.attr.value if m.matches(func, m.Attribute(value=m.Name("self"))) else None  # type: ignore[attr-defined]
             if name is None or name not in own:
-                raise Decline(f"`{code_of(call)}` passes `{table}` to code outside this class", call)
+                raise Decline(f"`{snippet_of(call)}` passes `{table}` to code outside this class", call)
             if name in runners:
                 continue
             meth = own[name]
@@ -219,7 +227,7 @@ def _check_table(fn: cst.FunctionDef, body: list[cst.BaseStatement], own: dict[s
             for store in m.findall(meth, m.AssignTarget(m.Subscript(value=m.Name(param or "")))):
                 sub = cst.ensure_type(cst.ensure_type(store, cst.AssignTarget).target, cst.Subscript)
                 if not m.matches(sub, _keyed(self_attr("end_layer"))):
-                    raise Decline(f"`{name}` stores `{code_of(sub)}`: a key other than a layer id of this stage "
+                    raise Decline(f"`{name}` stores `{snippet_of(sub)}`: a key other than a layer id of this stage "
                                   "(idx, idx + 1 in its layer loop, or self.end_layer)", sub)
     return inits[0]
 

@@ -10,8 +10,9 @@ import libcst as cst
 import libcst.matchers as m
 
 from pipespec.codemods.vllm_forward_shape import is_docstring, names_in, self_attr
-from pipespec.codemods.vllm_native_names import DRAFTER_EMBEDS, EAGLE3, code_of_exact, has_base
-from pipespec.codemods.vllm_native_shape import methods
+from pipespec.codemods.vllm_native_loop import methods
+from pipespec.codemods.vllm_native_names import DRAFTER_EMBEDS, has_base, source_of
+from pipespec.contract.names import VLLM_EAGLE3_INTERFACE
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ def find_holders(top: list[cst.ClassDef], decoder: str) -> list[Holder]:
     only returns ``self.<inner>(...)`` (OPTForCausalLM.model -> OPTModel.decoder -> OPTDecoder)."""
     out = []
     names = _class_names(top)
-    mentions = [c for c in top if c.name.value != decoder and decoder in names[id(c)]]
+    mentions = [c for c in top if c.name.value != decoder and decoder in names[c]]
     wrappers = [(w, inner[0]) for w in mentions if not is_generative(w)
                 for inner in [built_attrs(w, decoder)] if inner and forwards_to(w, inner[0])]
     for cls in top:
@@ -51,15 +52,15 @@ def find_holders(top: list[cst.ClassDef], decoder: str) -> list[Holder]:
     return out + multimodal_holders(top, out)
 
 
-_NAMES_OF: list[tuple[tuple[cst.ClassDef, ...], dict[int, set[str]]]] = []  # the last file's classes and their names
+_NAMES_OF: list[tuple[tuple[cst.ClassDef, ...], dict[cst.ClassDef, set[str]]]] = []  # the last file's classes and their names
 
 
-def _class_names(top: list[cst.ClassDef]) -> dict[int, set[str]]:
-    """The identifiers used in each class (by node id), one walk per class per file: a file's decoders
+def _class_names(top: list[cst.ClassDef]) -> dict[cst.ClassDef, set[str]]:
+    """The identifiers used in each class (keyed by the node), one walk per class per file: a file's decoders
     and its multimodal classes all ask about the same classes."""
     key = tuple(top)
     if not _NAMES_OF or len(_NAMES_OF[0][0]) != len(key) or any(a is not b for a, b in zip(_NAMES_OF[0][0], key)):
-        _NAMES_OF[:] = [(key, {id(c): names_in(c) for c in top})]
+        _NAMES_OF[:] = [(key, {c: names_in(c) for c in top})]
     return _NAMES_OF[0][1]
 
 
@@ -74,7 +75,7 @@ def multimodal_holders(top: list[cst.ClassDef], direct: list[Holder]) -> list[Ho
         if cls.name.value in held or any(cls is h.cls for h in direct) or not is_multimodal(cls):
             continue
         for name, inner in held.items():
-            if name in _class_names(top)[id(cls)] and "language_model" in built_attrs(cls, name):
+            if name in _class_names(top)[cls] and "language_model" in built_attrs(cls, name):
                 out.append(Holder(cls, f"language_model.{inner.attr}", multimodal=True))
                 break
     return out
@@ -167,11 +168,11 @@ def adapt_holder(cls: cst.ClassDef, attr: str, layers_attr: str, bases_ready: bo
     for text in extra:
         body.append(cst.parse_statement(text).with_changes(leading_lines=[cst.EmptyLine(indent=False)]))
     bases = list(cls.bases)
-    if not has_base(cls, EAGLE3) and not bases_ready:
-        imports.add(EAGLE3)
+    if not has_base(cls, VLLM_EAGLE3_INTERFACE) and not bases_ready:
+        imports.add(VLLM_EAGLE3_INTERFACE)
         if bases:
             bases[-1] = bases[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-        bases.append(cst.Arg(cst.Name(EAGLE3)))
+        bases.append(cst.Arg(cst.Name(VLLM_EAGLE3_INTERFACE)))
     if bases == list(cls.bases) and body == list(cst.ensure_type(cls.body, cst.IndentedBlock).body):
         return cls, imports
     multiline = any(isinstance(a.comma, cst.Comma) and isinstance(a.comma.whitespace_after, cst.ParenthesizedWhitespace)
@@ -220,6 +221,6 @@ class _SetterFix(cst.CSTTransformer):
             return updated_node
         assign = cst.ensure_type(original_node.body[0], cst.Assign)
         owner = cst.ensure_type(assign.targets[0].target, cst.Attribute).value
-        call = f"{code_of_exact(owner)}._set_aux_hidden_state_layers({code_of_exact(assign.value)})\n"
+        call = f"{source_of(owner)}._set_aux_hidden_state_layers({source_of(assign.value)})\n"
         return cst.ensure_type(cst.parse_statement(call), cst.SimpleStatementLine).with_changes(
             leading_lines=original_node.leading_lines)

@@ -14,7 +14,7 @@ from pipespec.codemods.vllm_native_names import (
     HEADER_FIRST,
     IMPORTS,
     MODELS_PKG,
-    code_of_exact,
+    source_of,
 )
 
 
@@ -23,7 +23,7 @@ def _relative_models_style(module: cst.Module) -> bool:
     for stmt in module.body:
         for node in m.findall(stmt, m.ImportFrom()) if isinstance(stmt, cst.SimpleStatementLine) else ():
             imp = cst.ensure_type(node, cst.ImportFrom)
-            if len(imp.relative) == 1 and imp.module is not None and code_of_exact(imp.module).split(".")[0] in (
+            if len(imp.relative) == 1 and imp.module is not None and source_of(imp.module).split(".")[0] in (
                     "interfaces", "utils", "interfaces_base"):
                 return True
     return False
@@ -46,7 +46,7 @@ def _add_to_existing(module: cst.Module, sub: str, name: str) -> cst.Module | No
         if not m.matches(stmt, m.SimpleStatementLine(body=[m.ImportFrom()])):
             continue
         imp = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.ImportFrom)
-        target = code_of_exact(imp.module) if imp.module is not None else ""
+        target = source_of(imp.module) if imp.module is not None else ""
         if not ((len(imp.relative) == 1 and target == sub) or (not imp.relative and target == f"{MODELS_PKG}.{sub}")):
             continue
         if isinstance(imp.names, cst.ImportStar):
@@ -71,7 +71,7 @@ def _add_to_existing(module: cst.Module, sub: str, name: str) -> cst.Module | No
                 else cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
             aliases.insert(at, new.with_changes(comma=sep))
         new_imp = imp.with_changes(names=aliases)
-        if len(code_of_exact(stmt.with_changes(body=[new_imp]))) > 88 and imp.lpar is None:
+        if len(source_of(stmt.with_changes(body=[new_imp]))) > 88 and imp.lpar is None:
             new_imp = new_imp.with_changes(
                 lpar=cst.LeftParen(whitespace_after=cst.ParenthesizedWhitespace(
                     indent=True, last_line=cst.SimpleWhitespace("    "))),
@@ -90,7 +90,7 @@ def _new_import(module: cst.Module, sub: str, name: str, relative: bool) -> cst.
     body = list(module.body)
     rel = [i for i, s in enumerate(body) if m.matches(s, m.SimpleStatementLine(body=[m.ImportFrom(relative=[m.Dot()])]))]
     line = cst.parse_statement(f"from .{sub} import {name}\n")
-    after = [i for i in rel if code_of_exact(cst.ensure_type(cst.ensure_type(body[i], cst.SimpleStatementLine).body[0],
+    after = [i for i in rel if source_of(cst.ensure_type(cst.ensure_type(body[i], cst.SimpleStatementLine).body[0],
                                                              cst.ImportFrom).module or cst.Name("_")) > sub]
     at = after[0] if after else rel[-1] + 1
     if after:

@@ -11,9 +11,9 @@ from pathlib import Path
 import libcst as cst
 import libcst.matchers as m
 
+from pipespec.codemods.vllm_native_loop import ClassLookup
 from pipespec.codemods.vllm_native_modules import ModuleSources, absolute_name, installed_vllm
-from pipespec.codemods.vllm_native_names import code_of_exact
-from pipespec.codemods.vllm_native_shape import ClassLookup
+from pipespec.codemods.vllm_native_names import source_of
 
 ModuleReader = Callable[[str], "str | None"]
 
@@ -82,7 +82,7 @@ class ClassIndex:
             imp = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.ImportFrom)
             if imp.module is None or isinstance(imp.names, cst.ImportStar):
                 continue
-            dotted = absolute_name("." * len(imp.relative) + code_of_exact(imp.module), package)
+            dotted = absolute_name("." * len(imp.relative) + source_of(imp.module), package)
             if dotted is None:
                 continue
             for alias in imp.names:

@@ -20,8 +20,8 @@ class LineIndex:
     def __init__(self, module: cst.Module, code: str) -> None:
         self._module, self._code = module, code
         self._near: cst.ClassDef | None = None
-        self._classes: dict[int, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}  # id(class) -> positions, shift
-        self._tried: set[int] = set()  # id(class) of those resolved alone, or found elsewhere than said
+        self._classes: dict[cst.ClassDef, tuple[Mapping[cst.CSTNode, CodeRange], int]] = {}  # class -> positions, shift
+        self._tried: set[cst.ClassDef] = set()  # class of those resolved alone, or found elsewhere than said
         self._whole: Mapping[cst.CSTNode, CodeRange] | None = None
         self._starts: tuple[list[int], dict[str, list[int]]] | None = None  # line offsets, first lines by class
 
@@ -33,11 +33,11 @@ class LineIndex:
             if node in positions:
                 return positions[node].start.line + shift
         near = self._near
-        if near is not None and id(near) not in self._tried:
-            self._tried.add(id(near))
+        if near is not None and near not in self._tried:
+            self._tried.add(near)
             found = self._class_positions(near)
             if found is not None:
-                self._classes[id(near)] = found
+                self._classes[near] = found
                 positions, shift = found
                 if node in positions:
                     return positions[node].start.line + shift

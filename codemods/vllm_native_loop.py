@@ -1,7 +1,8 @@
 """The layer loop of a vLLM PP decoder and the plan of its rewrite, as data: the loop forms vLLM uses
 (``islice(self.layers, self.start_layer, self.end_layer)``, a slice, ``enumerate`` of either,
 ``islice(enumerate(...))``, ``range(start, end)``), how to read the loop's global layer index, the
-``ForwardPlan`` record and ``Decline``. Pure libcst; imports no vLLM and no other vllm_native_* module."""
+``ForwardPlan`` record and ``Decline``. Pure libcst; imports no vLLM and, of the
+vllm_native_* modules, only vllm_native_names."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from pipespec.codemods.vllm_forward_shape import (
     own_scope,
     self_attr,
 )
+from pipespec.codemods.vllm_native_names import snippet_of
+from pipespec.contract.names import AUX_OVER_PP_FLAG
 
-FLAG = "supports_aux_hidden_states_over_pp"
 CAPTURE_CALLS = ("_maybe_add_hidden_state",)
 _ISLICE_ENUM = m.Call(func=m.Name("islice") | m.Attribute(attr=m.Name("islice")),
                       args=[m.Arg(m.Call(func=m.Name("enumerate"), args=[m.Arg(self_attr())])), m.Arg(START), m.Arg(END)])
@@ -36,13 +38,6 @@ class Decline(Exception):
     def __init__(self, reason: str, node: cst.CSTNode) -> None:
         super().__init__(reason)
         self.reason, self.node = reason, node
-
-
-def code_of(node: cst.CSTNode) -> str:
-    """One-line source text of a node, for messages."""
-    text = cst.Module([]).code_for_node(node).strip()
-    text = " ".join(text.split())
-    return text if len(text) <= 90 else text[:87] + "..."
 
 
 def params_of(fn: cst.FunctionDef) -> set[str]:
@@ -60,8 +55,8 @@ def own_flag(cls: cst.ClassDef) -> cst.SimpleStatementLine | None:
     """The class-body line ``supports_aux_hidden_states_over_pp = ...``, if the class sets it itself."""
     body = cls.body.body if isinstance(cls.body, cst.IndentedBlock) else ()
     for stmt in body:
-        if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(FLAG))])
-                                                      | m.AnnAssign(target=m.Name(FLAG))])):
+        if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(AUX_OVER_PP_FLAG))])
+                                                      | m.AnnAssign(target=m.Name(AUX_OVER_PP_FLAG))])):
             return cst.ensure_type(stmt, cst.SimpleStatementLine)
     return None
 
@@ -164,7 +159,7 @@ def parse_loop(loop: cst.For, used: set[str], aliases: dict[str, cst.BaseExpress
     aliased: cst.Name | None = None
     conditional = conditional_iter(it)
     if conditional is not None:
-        raise Decline(f"the layer loop runs over a conditional expression (`{code_of(conditional)}`): on its other "
+        raise Decline(f"the layer loop runs over a conditional expression (`{snippet_of(conditional)}`): on its other "
                       "branch this stage's layers run elsewhere, which the rewrite does not follow", loop)
     if aliases and _alias_iter(it, aliases):
         name = cst.ensure_type(it.args[0].value if isinstance(it, cst.Call) else it, cst.Name)
@@ -177,7 +172,7 @@ def parse_loop(loop: cst.For, used: set[str], aliases: dict[str, cst.BaseExpress
 
     if m.matches(it, RANGE):
         if not isinstance(target, cst.Name):
-            raise Decline(f"the range loop's target `{code_of(target)}` is not one name", loop)
+            raise Decline(f"the range loop's target `{snippet_of(target)}` is not one name", loop)
         idx = target.value
         subs = m.findall(loop.body, m.Subscript(value=self_attr(), slice=[m.SubscriptElement(m.Index(m.Name(idx)))]))
         attrs = {cst.ensure_type(cst.ensure_type(s, cst.Subscript).value, cst.Attribute).attr.value for s in subs}
@@ -188,7 +183,7 @@ def parse_loop(loop: cst.For, used: set[str], aliases: dict[str, cst.BaseExpress
         inner = cst.ensure_type(cst.ensure_type(it, cst.Call).args[0].value, cst.Call)
         attr = cst.ensure_type(inner.args[0].value, cst.Attribute).attr.value
         if not m.matches(target, m.Tuple([m.Element(m.Name()), m.Element()])):
-            raise Decline(f"the islice(enumerate(...)) loop's target `{code_of(target)}` is not `index, layer`", loop)
+            raise Decline(f"the islice(enumerate(...)) loop's target `{snippet_of(target)}` is not `index, layer`", loop)
         idx = cst.ensure_type(cst.ensure_type(target, cst.Tuple).elements[0].value, cst.Name).value
         return Loop(loop, attr, plus_one(idx), None, None)
     enumerated = m.matches(it, ENUMERATE)
@@ -205,13 +200,13 @@ def parse_loop(loop: cst.For, used: set[str], aliases: dict[str, cst.BaseExpress
                                 cst.Element(target)], lpar=[], rpar=[])
         return Loop(loop, attr, plus_one(idx), new_iter, new_target)
     if not m.matches(target, m.Tuple([m.Element(m.Name()), m.Element()])):
-        raise Decline(f"the enumerate loop's target `{code_of(target)}` is not `index, layer`", loop)
+        raise Decline(f"the enumerate loop's target `{snippet_of(target)}` is not `index, layer`", loop)
     idx = cst.ensure_type(cst.ensure_type(target, cst.Tuple).elements[0].value, cst.Name).value
     if len(args) == 1:  # counts from 0 on every stage: the global id is start_layer + idx + 1
         return Loop(loop, attr, cst.parse_expression(f"self.start_layer + {idx} + 1"), None, None)
     if len(args) == 2 and m.matches(args[1].value, START) and (args[1].keyword is None or args[1].keyword.value == "start"):
         return Loop(loop, attr, plus_one(idx), None, None)
-    raise Decline(f"the enumerate loop counts from `{code_of(args[1].value)}`, not self.start_layer", loop)
+    raise Decline(f"the enumerate loop counts from `{snippet_of(args[1].value)}`, not self.start_layer", loop)
 
 
 def START_EXPR() -> cst.Attribute:  # noqa: N802 - reads like the constant it builds
@@ -246,11 +241,6 @@ def layer_call_at(loop: cst.For, parsed: Loop) -> int | None:
         if m.findall(stmt, m.Assign(value=call)):
             return i
     return None
-
-
-
-def code_of_lines(node: cst.CSTNode) -> int:
-    return cst.Module([]).code_for_node(node).strip("\n").count("\n")
 
 
 

@@ -5,33 +5,31 @@ libcst on source; imports no vLLM."""
 
 from __future__ import annotations
 
-import builtins
 from collections.abc import Sequence
 
 import libcst as cst
 import libcst.matchers as m
 
 from pipespec.codemods.vllm_forward_shape import is_docstring, names_in, self_attr
+from pipespec.codemods.vllm_native_layers import NOT_LAYERS, layer_classes
 from pipespec.codemods.vllm_native_loop import (
     ClassLookup,
     Decline,
     ForwardPlan,
     Loop,
-    code_of,
     layer_call_at,
     methods,
     params_of,
 )
-from pipespec.contract.spec import RESIDUAL_RULES
+from pipespec.codemods.vllm_native_names import snippet_of
 
 # ------------------------------------------------------------------ does a layer read the residual?
-_NOT_LAYERS = frozenset({"make_layers", "maybe_prefix", "extract_layer_index", "PPMissingLayer", *dir(builtins)})
 WAY_OUT = ("; where you know which, state it: `adapter-gen FILE --dialect vllm --residual-rule reads` (a layer "
            "reads the residual it is given, vLLM's pre-norm convention) or `--residual-rule rebinds` (it rebinds "
            "it first), or model.residual_rule in a vllm-dialect adapter spec")
 
 
-__all__ = ["RESIDUAL_RULES", "WAY_OUT", "UnknownLayers", "layer_classes", "residual_read", "unsent_stale_residual", "zero_is_none"]
+__all__ = ["WAY_OUT", "UnknownLayers", "residual_read", "unsent_stale_residual", "zero_is_none"]
 
 
 class UnknownLayers(Decline):
@@ -87,7 +85,7 @@ def _residual_read(cls: cst.ClassDef, plan: ForwardPlan, lookup: ClassLookup,
         return False
     found = layer_classes(cls, plan.loop.layers_attr, lookup)
     if isinstance(found, cst.CSTNode):
-        built = f"`{code_of(found)}`" if not isinstance(found, cst.Name) else f"{found.value} of {cls.name.value} or a base"
+        built = f"`{snippet_of(found)}`" if not isinstance(found, cst.Name) else f"{found.value} of {cls.name.value} or a base"
         raise UnknownLayers(f"the layer classes of self.{plan.loop.layers_attr} cannot be found from the source (built by "
                             f"{built}), so whether a layer reads the residual it returns cannot be told: "
                             f"the stream at a layer boundary is hidden_states + residual only if it does{WAY_OUT}", call)
@@ -144,7 +142,7 @@ def _forward_reads(layer: cst.ClassDef, lookup: ClassLookup, slot: int | str, re
         name = slot if slot in params_of(fn) else None
     if name is None:
         raise Decline(f"{layer.name.value}.forward takes no parameter for the residual the loop passes "
-                      f"(`{code_of(call)}`), so whether it reads it cannot be told", call)
+                      f"(`{snippet_of(call)}`), so whether it reads it cannot be told", call)
     body = cst.ensure_type(fn.body, cst.IndentedBlock).body
     for stmt in body:
         if is_docstring(stmt) or name not in names_in(stmt):
@@ -174,143 +172,6 @@ def _forward_of(layer: cst.ClassDef, lookup: ClassLookup, call: cst.CSTNode) -> 
                                 f"so whether a layer reads the residual cannot be told{WAY_OUT}", call)
         layer, lookup = nxt
     return methods(layer)["forward"]
-
-
-def layer_classes(cls: cst.ClassDef, attr: str, lookup: ClassLookup
-                   ) -> list[tuple[cst.ClassDef, ClassLookup]] | cst.CSTNode:
-    """The classes ``cls.__init__`` builds into ``self.<attr>`` (following an inherited ``__init__``), or
-    the node that builds them where they cannot be found."""
-    owner, own_lookup = cls, lookup
-    overrides: dict[str, tuple[cst.ClassDef, ClassLookup]] = {}  # parameter -> class a subclass passes
-    target = self_attr(attr)
-    for _ in range(6):
-        init = methods(owner).get("__init__")
-        built: list[cst.BaseExpression] = []
-        if init is not None:
-            built = [cst.ensure_type(a, cst.Assign).value for a in m.findall(init, m.Assign())
-                     if any(m.findall(t.target, target) for t in cst.ensure_type(a, cst.Assign).targets)]
-            if built:
-                break
-            for other in methods(owner).values():  # built by a helper __init__ calls (MiniCPM's _init_layers)
-                found_here = [cst.ensure_type(a, cst.Assign).value for a in m.findall(other, m.Assign())
-                              if any(m.findall(t.target, target) for t in cst.ensure_type(a, cst.Assign).targets)]
-                if found_here and m.findall(init, m.Call(func=self_attr(other.name.value))):
-                    init, built = other, found_here
-                    break
-            if built:
-                break
-            sup = m.findall(init, m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__"))))
-            if not sup:
-                return init.name
-            p = init.params
-            defaults = {x.name.value: x.default for x in (*p.params, *p.kwonly_params) if x.default is not None}
-            passed: dict[str, tuple[cst.ClassDef, ClassLookup]] = {}
-            for arg in cst.ensure_type(sup[0], cst.Call).args:
-                if arg.keyword is None or not isinstance(arg.value, cst.Name):
-                    continue
-                name = arg.value.value
-                if name in overrides:
-                    passed[arg.keyword.value] = overrides[name]
-                    continue
-                default = defaults.get(name)
-                ref = default.value if isinstance(default, cst.Name) else name
-                found = own_lookup(ref, owner)
-                if len(found) == 1:
-                    passed[arg.keyword.value] = found[0]
-            overrides = passed
-        bases = [a.value for a in owner.bases if a.keyword is None and isinstance(a.value, cst.Name)]
-        nxt = next((x[0] for x in (own_lookup(b.value, owner) for b in bases) if len(x) == 1), None)
-        if nxt is None:
-            return init.name if init is not None else cls.name
-        owner, own_lookup = nxt
-    if len(built) != 1 or init is None:
-        return cls.name
-    value = built[0]
-    locals_ = {s.name.value: s for s in m.findall(init.body, m.FunctionDef()) if isinstance(s, cst.FunctionDef)}
-    assigned = {cst.ensure_type(cst.ensure_type(a, cst.Assign).targets[0].target, cst.Name).value: cst.ensure_type(a, cst.Assign).value
-                for a in m.findall(init.body, m.Assign(targets=[m.AssignTarget(m.Name())]))}
-    p = init.params
-    defaults = {x.name.value: x.default for x in (*p.params, *p.kwonly_params) if x.default is not None}
-    out: list[tuple[cst.ClassDef, ClassLookup]] = []
-
-    def resolve(name: str, depth: int) -> bool:
-        if depth > 4:
-            return False
-        if name in overrides:
-            out.append(overrides[name])
-            return True
-        if name in defaults:
-            d = defaults[name]
-            return isinstance(d, cst.Name) and resolve(d.value, depth + 1)
-        if name in locals_:
-            return scan(locals_[name].body, depth + 1)
-        if name in assigned:  # `layer_class = A if c else B`, `= TABLE[key]`, `= types or TABLE`, `= types[key]`
-            names = _class_refs(assigned[name]) - {name}
-            none_default = {n for n, d in defaults.items() if m.matches(d, m.Name("None"))}
-            upper = [n for n in names if n[:1].isupper() and n not in ("None", "True", "False")]
-            chained = [n for n in names - set(upper) - none_default if n in assigned or n in locals_ or n in defaults]
-            if not all(resolve(n, depth + 1) for n in upper):
-                return False
-            got = bool(upper)
-            for n in chained:
-                got = resolve(n, depth + 1) or got
-            return got
-        found = own_lookup(name, owner)
-        out.extend(found)
-        return bool(found)
-
-    def scan(node: cst.CSTNode, depth: int) -> bool:
-        ok = False
-        for ref in {n.value for n in m.findall(node, m.Name()) if isinstance(n, cst.Name)} & set(locals_):
-            if not m.findall(node, m.Call(func=m.Name(ref))):  # a local builder passed by name (make_layers(n, get_layer))
-                if not resolve(ref, depth):
-                    return False
-                ok = True
-        for c in m.findall(node, m.Call()):
-            func = cst.ensure_type(c, cst.Call).func
-            if isinstance(func, cst.Name):
-                if func.value in _NOT_LAYERS:
-                    continue
-                if not resolve(func.value, depth):
-                    return False
-                ok = True
-            elif m.matches(func, m.Attribute(value=m.Name("self"))):
-                ref = cst.ensure_type(func, cst.Attribute).attr.value
-                value = _class_attr(owner, ref)
-                if not isinstance(value, cst.Name) or not resolve(value.value, depth + 1):
-                    return False
-                ok = True
-        return ok
-
-    return out if scan(value, 0) and out else value
-
-
-def _class_attr(cls: cst.ClassDef, name: str) -> cst.BaseExpression | None:
-    """The value of ``name = ...`` / ``name: T = ...`` in the class body itself."""
-    body = cls.body.body if isinstance(cls.body, cst.IndentedBlock) else ()
-    for stmt in body:
-        if not isinstance(stmt, cst.SimpleStatementLine):
-            continue
-        for small in stmt.body:
-            if isinstance(small, cst.Assign) and any(m.matches(t.target, m.Name(name)) for t in small.targets):
-                return small.value
-            if isinstance(small, cst.AnnAssign) and m.matches(small.target, m.Name(name)):
-                return small.value
-    return None
-
-
-def _class_refs(expr: cst.BaseExpression) -> set[str]:
-    """Names in the positions where an expression's value *is* that name: ``A``, ``A if c else B``,
-    ``x or A``, ``A[key]`` (a table of classes); not call arguments, annotations or attribute bases."""
-    if isinstance(expr, cst.Name):
-        return {expr.value}
-    if isinstance(expr, cst.IfExp):
-        return _class_refs(expr.body) | _class_refs(expr.orelse)
-    if isinstance(expr, cst.BooleanOperation):
-        return _class_refs(expr.left) | _class_refs(expr.right)
-    if isinstance(expr, cst.Subscript):
-        return _class_refs(expr.value)
-    return set()
 
 
 def unsent_stale_residual(cls: cst.ClassDef, fn: cst.FunctionDef, loop: cst.For, parsed: Loop, hidden: str,
@@ -387,7 +248,7 @@ def one_class_per_stack(cls: cst.ClassDef, attr: str) -> bool:
         if len(values) != 1:
             return False
         called = {cst.ensure_type(cst.ensure_type(c, cst.Call).func, cst.Name).value
-                  for c in m.findall(values[0], m.Call(func=m.Name()))} - _NOT_LAYERS
+                  for c in m.findall(values[0], m.Call(func=m.Name()))} - NOT_LAYERS
         if len(called) != 1:
             return False
         name = next(iter(called))

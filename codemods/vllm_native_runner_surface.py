@@ -33,13 +33,14 @@ import libcst.matchers as m
 
 from pipespec.codemods.vllm_forward_shape import is_docstring, self_attr
 from pipespec.codemods.vllm_native_holders import Holder, has_attr, is_multimodal
-from pipespec.codemods.vllm_native_loop import FLAG, methods, own_flag
+from pipespec.codemods.vllm_native_loop import methods, own_flag
 from pipespec.codemods.vllm_native_names import base_name, bases_of
+from pipespec.contract.names import AUX_OVER_PP_FLAG
 
 #: What the runner reads on the decoder besides the flag, each delegated by a wrapper to the decoder.
 DELEGATED = (("AUX_HIDDEN_STATE_KEY", "str"), ("_aux_slot_base_cached", "int"))
 #: Every attribute vLLM's runner helpers read on ``_inner_decoder(model)`` (0.32 to 0.34).
-RUNNER_READS = frozenset({FLAG, "config", *(name for name, _ in DELEGATED)})
+RUNNER_READS = frozenset({AUX_OVER_PP_FLAG, "config", *(name for name, _ in DELEGATED)})
 #: Bases that set no ``self.config`` of their own (vLLM's mixins and interfaces, torch's Module).
 _PLAIN_BASES = ("Module", "EagleModelMixin")
 
@@ -53,7 +54,7 @@ def wrapper_surface(wrapper: cst.ClassDef, inner: str) -> cst.ClassDef:
     if own_flag(wrapper) is None:
         at = 1 if body and is_docstring(body[0]) else 0
         line = cst.parse_statement(
-            f"{FLAG} = True  # vLLM's V2 runner reads its decoder here (model.model): this wraps it\n")
+            f"{AUX_OVER_PP_FLAG} = True  # vLLM's V2 runner reads its decoder here (model.model): this wraps it\n")
         if at:
             line = line.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
         if at < len(body) and not body[at].leading_lines and not isinstance(body[at], cst.SimpleStatementLine):

@@ -32,30 +32,24 @@ from pipespec.codemods.vllm_native_captures import (
     own_value_captures,
     sent_stream,
 )
+from pipespec.codemods.vllm_native_layers import layer_classes
 from pipespec.codemods.vllm_native_loop import (
-    CAPTURE_CALLS,
-    FLAG,
     INTERMEDIATE,
     RANK,
-    STAGE_LAYERS,
-    STAGE_LOOP_ITER,
     ClassLookup,
     Decline,
     ForwardPlan,
     Loop,
-    code_of,
-    code_of_lines,
     fresh,
-    is_pp_decoder,
     layer_call_at,
     methods,
-    own_flag,
     params_of,
     parse_loop,
     stage_aliases,
     stage_loops,
 )
-from pipespec.codemods.vllm_native_residual import layer_classes, residual_read, unsent_stale_residual
+from pipespec.codemods.vllm_native_names import line_breaks_in, snippet_of
+from pipespec.codemods.vllm_native_residual import unsent_stale_residual
 
 
 def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int],
@@ -83,14 +77,14 @@ def plan_loop(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStateme
     scope = own_scope(fn)
     jumps = _loop_jumps(loop)
     if jumps:
-        raise Decline(f"the layer loop uses `{code_of(jumps[0])}`: a layer skipped or left early would skip its capture", jumps[0])
+        raise Decline(f"the layer loop uses `{snippet_of(jumps[0])}`: a layer skipped or left early would skip its capture", jumps[0])
     yields = [j for j in scope.jumps if isinstance(j, cst.Yield)]
     if yields:
         raise Decline("forward yields: only a function that returns is understood", yields[0])
     used = names_in(fn)
     parsed = parse_loop(loop, used, stage_aliases(fn))
-    on_path = {id(r) for st in body for r in m.findall(st, m.Return())}
-    nonlast, last = _returns(cls, fn, body, loop, [r for r in scope.returns if id(r) in on_path], line_of)
+    on_path = {r for st in body for r in m.findall(st, m.Return())}
+    nonlast, last = _returns(cls, fn, body, loop, [r for r in scope.returns if r in on_path], line_of)
     if not nonlast:
         raise Decline("forward never returns IntermediateTensors({...}) for non-last ranks: it does not support "
                       "pipeline parallelism", fn)
@@ -105,13 +99,13 @@ def plan_loop(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStateme
             continue
         if is_capture_stmt(stmt, aux, hidden, residual) or is_aux_return_guard(stmt, aux):
             remove.append(stmt)
-    removed = {id(n) for n in remove}
+    removed = set(remove)
     start = own_start_capture(body, loop, aux)
     if start is not None:
         after = body[body.index(start) + 1: next(i for i, s in enumerate(body) if s is loop)]
         changed = next((s for s in after if bound_names(s) & ({hidden} | ({residual} if residual else set()))), None)
         if changed is not None:
-            raise Decline(f"`{code_of(changed)}` changes the stream between the model's own id start_layer capture "
+            raise Decline(f"`{snippet_of(changed)}` changes the stream between the model's own id start_layer capture "
                           "and the layer loop", changed)
     residual_arg = conditional_residual(remove, residual) if residual is not None else None
     own = own_value_captures(loop, parsed, aux, removed)
@@ -119,18 +113,18 @@ def plan_loop(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStateme
     if ahead is not None and end is not None:
         own = [ahead, end]
         remove.append(end)
-        removed.add(id(end))
+        removed.add(end)
     gather = None
     if not own:
         stale = unsent_stale_residual(cls, fn, loop, parsed, hidden, residual, lookup)
         cache = _cache_check(cls, parsed, lookup)
         _check_layer_call(fn, body, loop, hidden, residual or stale, nonlast, cache)
         gather = _check_after_loop(fn, body, loop, hidden, residual, nonlast, fold[1] if fold is not None else None)
-    kept_start = {id(start)} if start is not None and not own else set()  # with the model's own captures: declined
-    _check_aux_uses(body, loop, aux, removed, {id(st) for st in own} | kept_start, bool(own))
+    kept_start = {start} if start is not None and not own else set()  # with the model's own captures: declined
+    _check_aux_uses(body, loop, aux, removed, set(own) | kept_start, bool(own))
     for ret in last:
         if isinstance(ret.value, cst.Tuple) and not any(r is ret for g in remove for r in m.findall(g, m.Return())):
-            raise Decline(f"the last rank already returns a tuple (`{code_of(ret)}`)", ret)
+            raise Decline(f"the last rank already returns a tuple (`{snippet_of(ret)}`)", ret)
     last = [r for r in last if not any(r is x for g in remove for x in m.findall(g, m.Return()))]
     if not last:
         raise Decline("forward has no last-rank return of the hidden states", fn)
@@ -160,17 +154,17 @@ def _decline_nested(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseS
                    and m.findall(meth, m.Call(func=m.Subscript(value=self_attr(attr))))]
         where = (f"; they run in helper methods ({', '.join(helpers)}), which keep their captures otherwise than"
                  if helpers else ", and no helper method of this class runs them in")
-        raise Decline(f"forward's only loop over this stage's layers (`for ... in {code_of(loop.iter)}`, nested "
+        raise Decline(f"forward's only loop over this stage's layers (`for ... in {snippet_of(loop.iter)}`, nested "
                       f"in another statement) does not call them{where} the one helper form the rewrite follows "
                       "(a loop over a range forward passes, capturing into a dict keyed by layer id that forward "
                       "turns into the list its last rank returns)", loop)
     outer = next((st for st in body if any(x is loop for x in m.findall(st, m.For()))), None)
     if isinstance(outer, (cst.For, cst.While)):
-        head = f"for ... in {code_of(outer.iter)}" if isinstance(outer, cst.For) else f"while {code_of(outer.test)}"
-        raise Decline(f"the layer loop `for ... in {code_of(loop.iter)}` runs inside `{head}`: every layer "
+        head = f"for ... in {snippet_of(outer.iter)}" if isinstance(outer, cst.For) else f"while {snippet_of(outer.test)}"
+        raise Decline(f"the layer loop `for ... in {snippet_of(loop.iter)}` runs inside `{head}`: every layer "
                       "runs once per outer iteration, so a layer boundary (an aux id) names several states and no "
                       "one capture is the stream there", loop)
-    raise Decline(f"the layer loop `for ... in {code_of(loop.iter)}` is nested inside another statement "
+    raise Decline(f"the layer loop `for ... in {snippet_of(loop.iter)}` is nested inside another statement "
                   "(only a loop at forward's top level is understood)", loop)
 
 
@@ -178,19 +172,19 @@ def _returns(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStatemen
              returns: Sequence[cst.Return], line_of: Callable[[cst.CSTNode], int]) -> tuple[list[cst.Return], list[cst.Return]]:
     """(non-last-rank ``return IntermediateTensors(...)``, last-rank returns), after the layer loop;
     ``Decline`` for a return before or inside it (except on a path no drafter runs) or a bare one."""
-    loop_end = line_of(loop) + code_of_lines(loop)
+    loop_end = line_of(loop) + line_breaks_in(loop)
     nonlast, last = [], []
     never_drafted = _fast_prefill_returns(cls, body, loop)
     for ret in returns:
-        if id(ret) in never_drafted:
+        if ret in never_drafted:
             continue  # left as it is: that path runs without any drafter
         if line_of(ret) < line_of(loop):
             owner = next((s for s in body if any(x is ret for x in m.findall(s, m.Return()))), None)
-            where = f" in `{code_of(owner.test)}`" if isinstance(owner, cst.If) else ""
-            raise Decline(f"forward returns before its layer loop (`{code_of(ret)}`{where}): that path would hand "
+            where = f" in `{snippet_of(owner.test)}`" if isinstance(owner, cst.If) else ""
+            raise Decline(f"forward returns before its layer loop (`{snippet_of(ret)}`{where}): that path would hand "
                           "on no aux states and pack none for the next rank", ret)
         if line_of(ret) < loop_end:
-            raise Decline(f"forward returns inside its layer loop (`{code_of(ret)}`)", ret)
+            raise Decline(f"forward returns inside its layer loop (`{snippet_of(ret)}`)", ret)
         if m.matches(ret.value, INTERMEDIATE):
             nonlast.append(ret)
         elif ret.value is None:
@@ -200,25 +194,25 @@ def _returns(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStatemen
     return nonlast, last
 
 
-def _check_aux_uses(body: list[cst.BaseStatement], loop: cst.For, aux: set[str], removed: set[int], kept: set[int],
+def _check_aux_uses(body: list[cst.BaseStatement], loop: cst.For, aux: set[str], removed: set[cst.CSTNode], kept: set[cst.CSTNode],
                     own: bool) -> None:
     """Every statement left that mentions the aux list or ids is one the rewrite removes or keeps;
     anything else captures something other than the stream: ``Decline`` naming it."""
     at = next(i for i, s in enumerate(body) if s is loop)
-    epilogue = {id(s) for s in body[at + 1:] if is_sequence_parallel_epilogue(s)}
+    epilogue = {s for s in body[at + 1:] if is_sequence_parallel_epilogue(s)}
     for name in aux | {"aux_hidden_state_layers", "_maybe_add_hidden_state"}:
         for stmt in [*body, *cst.ensure_type(loop.body, cst.IndentedBlock).body]:
-            if stmt is loop or id(stmt) in removed or id(stmt) in kept or (id(stmt) in epilogue and name in aux):
+            if stmt is loop or stmt in removed or stmt in kept or (stmt in epilogue and name in aux):
                 continue
             if own and name == "aux_hidden_state_layers" and not (names_in(stmt) & aux):
                 continue  # reads the ids only (e.g. reuses the last capture's reconstruction), captures nothing
             if name in names_in(stmt):
                 gathers = sorted(n for n in names_in(stmt) if "gather" in n)
                 if gathers:
-                    raise Decline(f"`{code_of(stmt)}`: the existing capture gathers sequence-parallel shards "
+                    raise Decline(f"`{snippet_of(stmt)}`: the existing capture gathers sequence-parallel shards "
                                   f"({', '.join(gathers)}) before keeping a state; the contract's capture of the "
                                   "stage's own tensors would keep shards", stmt)
-                raise Decline(f"`{code_of(stmt)}` uses {name} in a way the rewrite does not understand (it "
+                raise Decline(f"`{snippet_of(stmt)}` uses {name} in a way the rewrite does not understand (it "
                               "captures something other than hidden_states (+ residual) at a layer boundary)", stmt)
 
 
@@ -228,7 +222,7 @@ def _check_aux_uses(body: list[cst.BaseStatement], loop: cst.For, aux: set[str],
 NO_DRAFTER_OPTION = "kv_sharing_fast_prefill"
 
 
-def _fast_prefill_returns(cls: cst.ClassDef, body: Sequence[cst.BaseStatement], loop: cst.For) -> set[int]:
+def _fast_prefill_returns(cls: cst.ClassDef, body: Sequence[cst.BaseStatement], loop: cst.For) -> set[cst.CSTNode]:
     """Returns inside ``if self.<flag>:`` branches before the layer loop, where ``__init__`` sets
     ``self.<flag>`` from ``NO_DRAFTER_OPTION`` (Gemma4's fast-prefill forward)."""
     init = methods(cls).get("__init__")
@@ -237,13 +231,13 @@ def _fast_prefill_returns(cls: cst.ClassDef, body: Sequence[cst.BaseStatement], 
     flags = {cst.ensure_type(cst.ensure_type(a, cst.Assign).targets[0].target, cst.Attribute).attr.value
              for a in m.findall(init, m.Assign(targets=[m.AssignTarget(self_attr())]))
              if NO_DRAFTER_OPTION in names_in(cst.ensure_type(a, cst.Assign).value)}
-    out: set[int] = set()
+    out: set[cst.CSTNode] = set()
     for stmt in body:
         if stmt is loop:
             break
         if isinstance(stmt, cst.If) and stmt.orelse is None and flags and m.matches(
                 stmt.test, m.Attribute(value=m.Name("self"), attr=m.OneOf(*(m.Name(f) for f in flags)))):
-            out |= {id(r) for r in m.findall(stmt.body, m.Return())}
+            out |= set(m.findall(stmt.body, m.Return()))
     return out
 
 
@@ -281,9 +275,9 @@ def _check_layer_call(fn: cst.FunctionDef, top: list[cst.BaseStatement], loop: c
                      and not (isinstance(value, cst.Call) and dropped_at_hand_off(top, loop, n, nonlast)
                               and cache(value, n))]
             if extra or len(plain) != len(names):
-                carried = ", ".join(f"`{n}`" for n in extra) if extra else f"`{code_of(t.target)}`"
+                carried = ", ".join(f"`{n}`" for n in extra) if extra else f"`{snippet_of(t.target)}`"
                 sent = f"`{hidden}`" + (f" and `{residual}`" if residual else "")
-                raise Decline(f"the layer call assigns `{code_of(t.target)}`: {carried} "
+                raise Decline(f"the layer call assigns `{snippet_of(t.target)}`: {carried} "
                               f"{'is' if len(extra) == 1 else 'are'} carried from layer to layer but the next stage "
                               f"receives only {sent}, so the stream at a layer boundary is not hidden_states "
                               "(+ residual)", assign)
@@ -338,17 +332,17 @@ def _check_after_loop(fn: cst.FunctionDef, body: list[cst.BaseStatement], loop: 
             inner = stmt.body.body if isinstance(stmt, cst.If) and isinstance(stmt.body, cst.IndentedBlock) else ()
             for s in inner:
                 if s is not fold and bound_names(s) & stream:
-                    raise Decline(f"`{code_of(s)}` changes `{'/'.join(sorted(bound_names(s) & stream))}` after the "
+                    raise Decline(f"`{snippet_of(s)}` changes `{'/'.join(sorted(bound_names(s) & stream))}` after the "
                                   "layer loop, before the non-last-rank return: the stream sent on is not the last "
                                   "layer's output", s)
             return gather
         if bound_names(stmt) & stream:
             if _gathers_shards(stmt):
-                raise Decline(f"`{code_of(stmt)}` gathers the stream after the layer loop, before the non-last-rank "
+                raise Decline(f"`{snippet_of(stmt)}` gathers the stream after the layer loop, before the non-last-rank "
                               "return, in a form other than one `hidden_states = <gather of hidden_states>`: under "
                               "sequence parallelism the layers run on token shards, so a capture after each layer "
                               "would keep a shard, not the stream the next stage receives", stmt)
-            raise Decline(f"`{code_of(stmt)}` changes the stream after the layer loop, before the non-last-rank return", stmt)
+            raise Decline(f"`{snippet_of(stmt)}` changes the stream after the layer loop, before the non-last-rank return", stmt)
     return gather
 
 
@@ -418,7 +412,7 @@ def _is_fold(stmt: cst.BaseStatement, hidden: str, res: str) -> bool:
             return (any(m.matches(x, m.Name(res)) for x in sides)
                     and any(hidden in names_in(x) and res not in names_in(x) for x in sides))
         return call_ok and isinstance(value, cst.Call) and len(value.args) == 2 and {
-            code_of(a.value) for a in value.args} == {hidden, res}
+            snippet_of(a.value) for a in value.args} == {hidden, res}
     if isinstance(stmt, cst.If) and stmt.orelse is None and m.matches(stmt.test, m.Comparison(
             left=m.Name(res), comparisons=[m.ComparisonTarget(m.IsNot(), m.Name("None"))])):
         inner = cst.ensure_type(stmt.body, cst.IndentedBlock).body
@@ -451,16 +445,16 @@ def recomputed_when_none(layer: cst.ClassDef, slot: int | str) -> bool:
         return False
     is_none = m.Comparison(left=m.Name(name), comparisons=[m.ComparisonTarget(m.Is(), m.Name("None"))])
     not_none = m.Comparison(left=m.Name(name), comparisons=[m.ComparisonTarget(m.IsNot(), m.Name("None"))])
-    allowed: set[int] = set()
+    allowed: set[cst.CSTNode] = set()
     for node in m.findall(fn.body, m.IfExp(test=is_none, orelse=m.Name(name)) | m.IfExp(test=not_none, body=m.Name(name))):
         ifexp = cst.ensure_type(node, cst.IfExp)
         given = ifexp.orelse if m.matches(ifexp.test, is_none) else ifexp.body
         computed = ifexp.body if given is ifexp.orelse else ifexp.orelse
         if name in names_in(computed):
             continue
-        allowed |= {id(n) for n in m.findall(ifexp.test, m.Name(name))} | {id(given)}
+        allowed |= set(m.findall(ifexp.test, m.Name(name))) | {given}
     uses = m.findall(fn.body, m.Name(name))
-    return bool(uses) and all(id(n) in allowed for n in uses)
+    return bool(uses) and all(n in allowed for n in uses)
 
 
 def dropped_at_hand_off(body: list[cst.BaseStatement], loop: cst.For, name: str, nonlast: Sequence[cst.Return]) -> bool:
@@ -494,10 +488,10 @@ def dropped_at_hand_off(body: list[cst.BaseStatement], loop: cst.For, name: str,
 def _check_return_placement(fn: cst.FunctionDef, ret: cst.Return) -> None:
     for line in m.findall(fn, m.SimpleStatementSuite()):
         if any(x is ret for x in m.findall(line, m.Return())):
-            raise Decline(f"the last-rank return `{code_of(ret)}` is on one line with its `if`/`else`", ret)
+            raise Decline(f"the last-rank return `{snippet_of(ret)}` is on one line with its `if`/`else`", ret)
     for line in m.findall(fn, m.SimpleStatementLine()):
         if any(x is ret for x in cst.ensure_type(line, cst.SimpleStatementLine).body) and len(line.body) > 1:  # type: ignore[attr-defined]
-            raise Decline(f"the last-rank return `{code_of(ret)}` shares its line with other statements", ret)
+            raise Decline(f"the last-rank return `{snippet_of(ret)}` shares its line with other statements", ret)
 
 
 class _Reads(cst.CSTVisitor):
@@ -505,15 +499,15 @@ class _Reads(cst.CSTVisitor):
 
     def __init__(self) -> None:
         self.names: set[str] = set()
-        self.targets: set[int] = set()
+        self.targets: set[cst.CSTNode] = set()
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-        self.targets |= {id(n) for n in m.findall(node.target, m.Name())
+        self.targets |= {n for n in m.findall(node.target, m.Name())
                          if not any(n is x for a in m.findall(node.target, m.Attribute() | m.Subscript())
                                     for x in m.findall(a, m.Name()))}
 
     def visit_Name(self, node: cst.Name) -> None:
-        if id(node) not in self.targets:
+        if node not in self.targets:
             self.names.add(node.value)
 
 
@@ -554,7 +548,4 @@ def _loop_jumps(loop: cst.For) -> list[cst.CSTNode]:
 
 
 
-__all__ = ["CAPTURE_CALLS", "FLAG", "RANK", "STAGE_LAYERS", "STAGE_LOOP_ITER", "ClassLookup", "Decline", "ForwardPlan",
-           "Loop", "bound_names", "code_of", "code_of_lines", "forward_plan", "is_pp_decoder", "is_sequence_parallel_epilogue",
-           "methods", "own_flag", "params_of", "plan_loop", "residual_read", "running_loops", "sent_stream",
-           "stage_loops"]
+__all__ = ["bound_names", "forward_plan", "plan_loop", "running_loops"]

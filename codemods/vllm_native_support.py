@@ -13,17 +13,27 @@ import libcst as cst
 import libcst.matchers as m
 
 from pipespec.codemods.vllm_forward_shape import names_in
-from pipespec.codemods.vllm_native_loop import FLAG, ClassLookup, Decline, code_of, methods, own_flag
-from pipespec.codemods.vllm_native_names import bases_of
+from pipespec.codemods.vllm_native_loop import ClassLookup, Decline, methods, own_flag
+from pipespec.codemods.vllm_native_names import bases_of, snippet_of
+from pipespec.contract.names import AUX_OVER_PP_FLAG
+from pipespec.str_enum import StrEnum
 
 #: What a forward that already follows vLLM's contract calls (llama.py's LlamaModel.forward).
 CONTRACT_CALLS = frozenset({"collect_remote_aux_hidden_states", "pack_local_aux_hidden_states"})
 _MAX_DEPTH = 6  # base classes followed, in MRO-like order (vLLM's deepest chain is 3)
 
 
-def judge(dec: cst.ClassDef, lookup: ClassLookup | None) -> tuple[str, str]:
-    """``("unchanged", why)`` when the class already follows the contract (its flag True, set on itself or
-    inherited, over a forward that collects and packs); ``("adapted", "")`` when it is to be rewritten;
+class DecoderStatus(StrEnum):
+    """What the codemod does with one decoder; the value is what reports and JSON say."""
+
+    ADAPTED = "adapted"  # rewritten to vLLM's EAGLE3-over-PP contract
+    UNCHANGED = "unchanged"  # already PP-correct by that contract: left byte-identical
+    DECLINED = "declined"  # not rewritten: the reason names the construct and its line
+
+
+def judge(dec: cst.ClassDef, lookup: ClassLookup | None) -> tuple[DecoderStatus, str]:
+    """``(UNCHANGED, why)`` when the class already follows the contract (its flag True, set on itself or
+    inherited, over a forward that collects and packs); ``(ADAPTED, "")`` when it is to be rewritten;
     ``Decline`` for an explicit opt-out, or a forward that packs aux states under a flag that is not True."""
     flag = own_flag(dec)
     calls = names_in(methods(dec)["forward"])
@@ -31,28 +41,28 @@ def judge(dec: cst.ClassDef, lookup: ClassLookup | None) -> tuple[str, str]:
     if flag is not None:
         value = _flag_value(flag)
         if value == "False":
-            parent = ", ".join(code_of(b) for b in bases_of(dec)) or "object"
+            parent = ", ".join(snippet_of(b) for b in bases_of(dec)) or "object"
             captures = "captures aux states" if "_maybe_add_hidden_state" in calls else "captures no aux states"
-            raise Decline(f"{dec.name.value} opts out by hand: `{code_of(flag)}`, over a forward that {captures} "
+            raise Decline(f"{dec.name.value} opts out by hand: `{snippet_of(flag)}`, over a forward that {captures} "
                           f"(it overrides {parent}.forward); remove that line to have it adapted", flag)
         if value == "True" and complete:
-            return "unchanged", (f"already follows vLLM's contract: it sets {FLAG} = True itself and its forward "
+            return DecoderStatus.UNCHANGED, (f"already follows vLLM's contract: it sets {AUX_OVER_PP_FLAG} = True itself and its forward "
                                  "collects and packs aux states")
-        return "adapted", ""
+        return DecoderStatus.ADAPTED, ""
     if not complete:
-        return "adapted", ""
+        return DecoderStatus.ADAPTED, ""
     owner, value, unread = inherited_flag(dec, lookup)
     if value == "True":
-        return "unchanged", (f"already follows vLLM's contract: it inherits {FLAG} = True from {owner} (vLLM's runner "
+        return DecoderStatus.UNCHANGED, (f"already follows vLLM's contract: it inherits {AUX_OVER_PP_FLAG} = True from {owner} (vLLM's runner "
                              "reads the flag with getattr) and its own forward collects and packs aux states")
     forward = methods(dec)["forward"]
     if owner is not None:
-        raise Decline(f"its forward collects and packs aux states, but it inherits {FLAG} = {value} from {owner}: "
-                      f"review the forward and set {FLAG} = True in {dec.name.value} itself", forward)
+        raise Decline(f"its forward collects and packs aux states, but it inherits {AUX_OVER_PP_FLAG} = {value} from {owner}: "
+                      f"review the forward and set {AUX_OVER_PP_FLAG} = True in {dec.name.value} itself", forward)
     where = (f"its bases {', '.join(unread)} cannot be read from the source" if unread
              else "no base class sets it")
-    raise Decline(f"its forward collects and packs aux states, but {dec.name.value} does not set {FLAG} and {where}: "
-                  f"review the forward and set {FLAG} = True in the class itself", forward)
+    raise Decline(f"its forward collects and packs aux states, but {dec.name.value} does not set {AUX_OVER_PP_FLAG} and {where}: "
+                  f"review the forward and set {AUX_OVER_PP_FLAG} = True in the class itself", forward)
 
 
 def inherited_flag(cls: cst.ClassDef, lookup: ClassLookup | None) -> tuple[str | None, str | None, list[str]]:
@@ -87,7 +97,7 @@ def _flag_value(line: cst.SimpleStatementLine) -> str:
     value = small.value if isinstance(small, (cst.Assign, cst.AnnAssign)) else None
     if m.matches(value, m.Name("True") | m.Name("False")):
         return cst.ensure_type(value, cst.Name).value
-    return code_of(value) if value is not None else "(no value)"
+    return snippet_of(value) if value is not None else "(no value)"
 
 
 __all__ = ["CONTRACT_CALLS", "inherited_flag", "judge"]
