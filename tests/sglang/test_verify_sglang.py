@@ -1,4 +1,8 @@
-"""``pipespec verify --engine sglang`` against the installed SGLang: verdicts without weights, DESIGN.md's JSON."""
+"""``pipespec verify --engine sglang`` against the installed SGLang: verdicts without weights, DESIGN.md's JSON.
+
+The verdicts are asked in this process (``verify_architecture``, what the CLI calls; SGLang is imported here
+already); the CLI itself runs twice, for its JSON, exit codes and flag errors.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,9 @@ import sys
 
 import pytest
 from harness import standin_env
+
+from pipespec.integrations.sglang.adapt_at_load import verify_architecture
+from pipespec.integrations.verdict import Verdict
 
 pytestmark = pytest.mark.timeout(300)
 KEYS = {"architecture", "class", "decision", "reason", "spec"}
@@ -22,28 +29,31 @@ def verify(*args: str) -> subprocess.CompletedProcess[str]:
                                                      ("Qwen3MoeForCausalLM", "qwen2_moe.py + qwen3_moe.py"),
                                                      ("DeepseekV2ForCausalLM", "deepseek_v2.py")])
 def test_adaptable_architecture_answers_adapt(architecture: str, files: str) -> None:
-    done = verify("--architecture", architecture, "--pp", "2", "--json")
+    decision = verify_architecture(architecture, 2)
+    assert decision.decision is Verdict.ADAPT, decision.reason
+    assert decision.cls.endswith(f":{architecture}")
+    assert decision.spec == f"sglang dialect (adapt_sglang): {files}"
+    assert decision.adapted is not None and decision.adapted.__module__.startswith("pipespec_sglang_adapted.")
+
+
+def test_declined_architecture_is_refused_with_the_codemods_reason() -> None:
+    decision = verify_architecture("MixtralForCausalLM", 2)
+    assert decision.decision is Verdict.REFUSE
+    assert "MixtralModel in mixtral.py" in decision.reason and "(line " in decision.reason
+
+
+def test_cli_json_and_exit_codes() -> None:
+    done = verify("--architecture", "LlamaForCausalLM", "--pp", "2", "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     answer = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(answer) == KEYS
-    assert answer["architecture"] == architecture and answer["decision"] == "adapt"
-    assert answer["class"].endswith(f":{architecture}")
-    assert answer["spec"] == f"sglang dialect (adapt_sglang): {files}"
-
-
-def test_declined_architecture_is_refused_with_exit_2() -> None:
-    done = verify("--architecture", "MixtralForCausalLM", "--pp", "2", "--json")
-    assert done.returncode == 2
-    answer = json.loads(done.stdout.strip().splitlines()[-1])
-    assert answer["decision"] == "refuse" and "MixtralModel" in answer["reason"]
-
-
-def test_unknown_architecture_is_refused_with_the_way_out() -> None:
-    done = verify("--architecture", "NoSuchForCausalLM", "--pp", "2")
-    assert done.returncode == 2
-    assert "NoSuchForCausalLM is not an architecture of SGLang 0.5.23" in done.stdout
+    assert set(answer) == KEYS and answer["decision"] == "adapt" and answer["architecture"] == "LlamaForCausalLM"
+    assert answer["class"] == "sglang.srt.models.llama:LlamaForCausalLM"
+    refused = verify("--architecture", "NoSuchForCausalLM", "--pp", "2")
+    assert refused.returncode == 2
+    assert "NoSuchForCausalLM is not an architecture of SGLang 0.5.23" in refused.stdout
 
 
 def test_class_flag_is_a_usage_error() -> None:
+    """Refused before SGLang is imported: one line, exit 2."""
     done = verify("--class", "sglang.srt.models.llama:LlamaForCausalLM", "--pp", "2")
     assert done.returncode == 2 and "give --architecture" in done.stderr.strip().splitlines()[-1]
