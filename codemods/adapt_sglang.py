@@ -31,7 +31,7 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.helpers import get_full_name_for_node
 
-from pipespec.codemods.sglang_forward import AUX_MODULE, RelayAuxStatesCommand, pp_forward
+from pipespec.codemods.sglang_forward import AUX_MODULE, RelayAuxStatesCommand, is_pp_loop, pp_forward
 from pipespec.codemods.sglang_outcome import CaptureForm, DecoderOutcome, SglangStatus
 from pipespec.codemods.sglang_setter import CaptureOnEveryRankCommand, id_conventions
 
@@ -73,6 +73,9 @@ def adapt_sglang_module(code: str, *, label: str, classes: Sequence[str] | None 
     adapted = _relay(module, label, outcomes, classes)
     conventions = id_conventions(module)
     blocking = [o for o in outcomes if o.status is SglangStatus.DECLINED]
+    if not outcomes and any(is_pp_loop(n) for n in m.findall(module, m.For())):
+        # a layer loop outside any forward (deepseek_v4's _forward_impl): the decoder is here but unseen
+        blocking.append(DecoderOutcome(cls="", status=SglangStatus.DECLINED, reason="", capture_form=CaptureForm.NONE))
     setters: tuple[str, ...] = ()
     left: tuple[str, ...] = ()
     if not blocking:

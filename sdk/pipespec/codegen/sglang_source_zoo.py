@@ -5,7 +5,7 @@ fetched by ``pipespec.integrations.sglang.sources``, or a checkout) and gives on
 pipeline layer loop in its ``forward`` (``adapt_sglang_module``'s decoders), plus one row for
 
 * a file without such a decoder whose ``*ForCausalLM`` setters the codemod adapted (the decoder's forward
-  comes from another file, e.g. qwen3_moe over qwen2_moe's): class = the setter's class;
+  comes from another file, e.g. qwen3_moe over qwen2_moe's): one row per class with adapted setters;
 * a file with a loop over its stage's layers outside any ``forward`` and no decoder (a structural decline
   naming the method and line), so every file with a PP layer loop is accounted for.
 
@@ -104,15 +104,20 @@ def survey_file(path: Path, tree: Path) -> list[SourceRow]:
 
 
 def _setter_rows(rel: str, result: SglangAdaptResult, problems: dict[str, str]) -> list[SourceRow]:
-    rows = []
+    """One row per class whose setters were adapted in a file without a decoder of its own."""
+    by_class: dict[str, list[str]] = {}
     for setter in result.setters:
-        cls = setter.split(".")[0]
+        cls, _, method = setter.partition(".")
+        by_class.setdefault(cls, []).append(method)
+    rows = []
+    for cls, methods in by_class.items():
         problem = problems.get("")
         if problem:
             rows.append(SourceRow(rel, cls, Status.CRASHED, f"the adapted output fails its check: {problem}", "adapted"))
         else:
-            rows.append(SourceRow(rel, cls, Status.ADAPTED, f"{setter} tells every rank its ids; the decoder's "
-                                  "forward is defined in another file (its own row)", "adapted"))
+            rows.append(SourceRow(rel, cls, Status.ADAPTED, f"{' and '.join(methods)}: every rank learns its ids; no "
+                                  "decoder with a layer loop in this file (the one it holds is judged in its own file)",
+                                  "adapted"))
     return rows
 
 
