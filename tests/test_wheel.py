@@ -139,20 +139,36 @@ def _files_for_the_wheel() -> frozenset[str]:
     return frozenset(expected)
 
 
-def _scratch_dir() -> str | None:
+def _scratch_dir() -> Path:
     """Where the venv goes: memory (/dev/shm) when it has room, else the default temporary directory. A
     venv is ~25k files; on the shared 2-core machine's disk, writing and deleting it took 34 s and 37 s,
     in memory 22 s and 0.4 s."""
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 4 * 2**30:
-        return str(shm)
-    return None
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+def _remove_abandoned(scratch: Path) -> None:
+    """A run killed before its cleanup (``timeout``'s SIGTERM skips it) leaves its venv, in memory when it
+    is in /dev/shm: remove the venvs whose run (the pid each one records) is gone; runs going on stay."""
+    for old in scratch.glob("pipespec-wheel-*"):
+        try:
+            pid = int((old / "pid").read_text())
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(old, ignore_errors=True)
+        except (OSError, ValueError):  # no pid yet (a run starting), or a process of another user
+            continue
 
 
 @pytest.fixture(scope="module")
 def installed() -> Iterator[Installed]:
-    with tempfile.TemporaryDirectory(prefix="pipespec-wheel-", dir=_scratch_dir()) as tmp:
+    scratch = _scratch_dir()
+    _remove_abandoned(scratch)
+    with tempfile.TemporaryDirectory(prefix="pipespec-wheel-", dir=scratch) as tmp:
         base = Path(tmp)
+        (base / "pid").write_text(str(os.getpid()))
         venv, dist, work = base / "venv", base / "dist", base / "work"
         work.mkdir()
         _run([sys.executable, "-m", "venv", str(venv)], cwd=base, timeout=120)
