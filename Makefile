@@ -95,7 +95,7 @@ test-core: $(STAMP) sources
 test-vllm: $(VSTAMP) sources
 	$(VBIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests/vllm
 
-# Real SGLang on CPU in its own venv: the plugin, verify --engine sglang and the aux-state oracle at PP = 1, 2.
+# Real SGLang on CPU in its own venv: the plugin, verify --engine sglang and the aux-state oracle at PP = 1, 2, 3.
 test-sglang: $(SSTAMP)
 	$(SBIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests/sglang
 

@@ -1,5 +1,5 @@
-"""The aux-state oracle in real SGLang on CPU: with pipespec's plugin, PP = 2 returns the same tokens and hands
-the draft the same aux states as PP = 1, and PP = 1 equals transformers' float32 hidden states.
+"""The aux-state oracle in real SGLang on CPU: with pipespec's plugin, PP = 2 (and 3) returns the same tokens and
+hands the draft the same aux states as PP = 1, and PP = 1 equals transformers' float32 hidden states.
 
 Tiny random 3-layer checkpoints, one family with SGLang's list capture and its own decoder (Llama), one MoE
 whose decoder forward is inherited from another file (Qwen3-MoE over Qwen2-MoE). Llama runs the default
@@ -20,10 +20,12 @@ from harness import hf_reference, run_engine, write_tiny
 
 pytestmark = pytest.mark.timeout(1200)
 
-#: family -> (SGLang's --return-aux-hidden-state-layer-ids, or "" for the default; the pipespec ids they are)
+#: family -> (SGLang's --return-aux-hidden-state-layer-ids, or "" for the default; the pipespec ids they are;
+#: the pipeline sizes checked against PP = 1). Llama at PP = 3: one layer a stage, ids 1 and 2 both end a
+#: stage, id 0 crosses two hops.
 FAMILIES = {
-    "llama": ("", [0, 1, 2]),
-    "qwen3_moe": ("0,1", [1, 2]),
+    "llama": ("", [0, 1, 2], (2, 3)),
+    "qwen3_moe": ("0,1", [1, 2], (2,)),
 }
 
 
@@ -32,17 +34,17 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     name = request.param
     root = tmp_path_factory.mktemp(name)
     model = write_tiny(name, root / "model")
-    sglang_ids, ids = FAMILIES[name]
-    pp1 = run_engine(model, 1, root / "pp1", aux_ids=sglang_ids)
-    assert pp1.returncode == 0, pp1.stderr[-3000:]
-    pp2 = run_engine(model, 2, root / "pp2", aux_ids=sglang_ids)
-    assert pp2.returncode == 0, pp2.stderr[-3000:]
-    return {"name": name, "model": model, "ids": ids, "pp1": pp1, "pp2": pp2}
+    sglang_ids, ids, sizes = FAMILIES[name]
+    runs = {}
+    for pp in (1, *sizes):
+        runs[pp] = run_engine(model, pp, root / f"pp{pp}", aux_ids=sglang_ids)
+        assert runs[pp].returncode == 0, runs[pp].stderr[-3000:]
+    return {"name": name, "model": model, "ids": ids, "runs": runs}
 
 
 def test_pp1_equals_transformers(family: dict[str, object]) -> None:
     """At PP = 1 the tokens are transformers' greedy ones and the aux states its float32 hidden states."""
-    pp1 = family["pp1"]
+    pp1 = family["runs"][1]
     tokens, reference = hf_reference(Path(str(family["model"])), list(family["ids"]), pp1.output_ids)
     assert pp1.output_ids == tokens
     assert pp1.hidden_states is not None and pp1.hidden_states.shape == reference.shape
@@ -52,9 +54,11 @@ def test_pp1_equals_transformers(family: dict[str, object]) -> None:
     torch.testing.assert_close(pp1.recorded, pp1.hidden_states, atol=0.0, rtol=0.0)
 
 
-def test_pp2_with_plugin_equals_pp1(family: dict[str, object]) -> None:
-    """At PP = 2 the last rank hands the logits processor every aux state, in id order, equal to PP = 1's."""
-    pp1, pp2 = family["pp1"], family["pp2"]
-    assert pp2.output_ids == pp1.output_ids
-    assert pp2.recorded is not None and pp2.recorded.shape == pp1.recorded.shape
-    torch.testing.assert_close(pp2.recorded, pp1.recorded, atol=1e-5, rtol=1e-5)
+def test_pipeline_with_plugin_equals_pp1(family: dict[str, object]) -> None:
+    """At PP = 2 (and 3) the last rank hands the logits processor every aux state, in id order, equal to PP = 1's,
+    and the tokens are PP = 1's."""
+    runs = family["runs"]
+    for pp, run in runs.items():
+        assert run.output_ids == runs[1].output_ids, f"PP={pp}"
+        assert run.recorded is not None and run.recorded.shape == runs[1].recorded.shape, f"PP={pp}"
+        torch.testing.assert_close(run.recorded, runs[1].recorded, atol=1e-5, rtol=1e-5, msg=f"PP={pp}")
