@@ -18,7 +18,8 @@ named) so that it runs in vLLM unchanged:
 
 Files already PP-correct come back byte-identical (status ``unchanged``); a decoder this cannot rewrite
 safely is ``declined`` with the construct and its line. Running on its own output changes nothing. The
-generated code imports only vLLM and torch. This module parses source only: it never imports vLLM nor
+generated code imports only vLLM and torch. The work is done by the passes of ``vllm_native_passes``
+(one libcst ``Codemod`` per concern, ``PASSES`` in order), which share one ``CodemodContext``. This module parses source only: it never imports vLLM nor
 executes the code it reads.
 """
 
@@ -27,34 +28,14 @@ from __future__ import annotations
 import ast
 from collections.abc import Sequence
 from dataclasses import dataclass
-from dataclasses import replace as replace_plan
 
 import libcst as cst
 
-from pipespec.codemods.vllm_native_branches import Branches, forward_plans, with_plans
-from pipespec.codemods.vllm_native_decoder import adapt_decoder
-from pipespec.codemods.vllm_native_helpers import Helpers
-from pipespec.codemods.vllm_native_holders import Holder, adapt_holder, find_holders, share_embed
-from pipespec.codemods.vllm_native_imports import add_imports, stamp
-from pipespec.codemods.vllm_native_index import ClassIndex, ModuleReader, default_reader
-from pipespec.codemods.vllm_native_lines import LineIndex
-from pipespec.codemods.vllm_native_loop import ClassLookup, Decline, ForwardPlan, is_pp_decoder
-from pipespec.codemods.vllm_native_modules import ModuleSources
-from pipespec.codemods.vllm_native_names import (
-    GENERATOR,
-    GENERATOR_VERSION,
-    PP_DECODER,
-    base_name,
-    bases_of,
-    has_base,
-    module_names,
-    nn_module_type,
-)
-from pipespec.codemods.vllm_native_residual import residual_read, zero_is_none
-from pipespec.codemods.vllm_native_runner_surface import decoder_surface, wrapper_surface
-from pipespec.codemods.vllm_native_support import DecoderStatus, judge
-from pipespec.contract.names import VLLM_EAGLE3_INTERFACE
-from pipespec.contract.spec import RESIDUAL_RULES, AdapterSpec
+from pipespec.codemods.vllm_native_index import ModuleReader, default_reader
+from pipespec.codemods.vllm_native_names import GENERATOR, GENERATOR_VERSION, PP_DECODER
+from pipespec.codemods.vllm_native_passes import DecoderRun, NativeRun, run_passes
+from pipespec.codemods.vllm_native_support import DecoderStatus
+from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import UsageError
 
 
@@ -111,129 +92,17 @@ def adapt_vllm_module(code: str, *, label: str, classes: Sequence[str] | None = 
         module = cst.parse_module(code)
     except cst.ParserSyntaxError as exc:
         raise UsageError(f"{label}:{exc.raw_line}: cannot parse this source: {exc.message}; adapter-gen reads valid Python only") from None
-    line_of = LineIndex(module, code)  # positions resolved per decoder class, where a line is asked
-
-    top = [s for s in module.body if isinstance(s, cst.ClassDef)]
-    decoders = [c for c in top if is_pp_decoder(c)]
-    read = read_module if read_module is not None else default_reader(label)
-    lookup = ClassIndex(module, read, package=read.package if isinstance(read, ModuleSources) else None).lookup
-    rule = residual_rule if residual_rule is not None else (spec.residual_rule if spec is not None else None)
-    if rule is not None and rule not in RESIDUAL_RULES:
-        raise UsageError(f"residual rule {rule!r} is unknown: use one of {', '.join(RESIDUAL_RULES)}")
-    if not decoders:
-        present = ", ".join(c.name.value for c in top) or "none"
-        raise UsageError(f"{label}: no PP decoder here ({PP_DECODER}; classes here: {present}); "
-                         "pass a vLLM model file with one")
-    holders = {d.name.value: find_holders(top, d.name.value) for d in decoders}
-    chosen = _select(decoders, holders, classes, top, label)
-    if spec is not None and len(chosen) > 1:
-        spec_cls = spec.decoder_class_name
-        chosen = [d for d in chosen if d.name.value == spec_cls] or chosen
-    edit = _FileEdit(module, top, spec, label, line_of, lookup, rule)
-    outcomes = [edit.decoder(dec, holders[dec.name.value]) for dec in chosen]
-    if not edit.replace:
-        return VllmAdaptation(code, tuple(outcomes))
-    new_module = module.with_changes(body=[edit.replace.get(s, s) for s in module.body])  # type: ignore[arg-type]
-    new_module = add_imports(new_module, edit.needed, absolute_imports)
-    new_module = stamp(new_module, label, edit.adapted_names)
-    return VllmAdaptation(new_module.code, tuple(outcomes))
+    run = NativeRun(module, code, label, read_module if read_module is not None else default_reader(label),
+                    classes=classes, spec=spec, absolute_imports=absolute_imports,
+                    rule=residual_rule if residual_rule is not None else (spec.residual_rule if spec is not None else None))
+    new_module, _ = run_passes(run)  # vllm_native_passes.PASSES, in order
+    return VllmAdaptation(new_module.code if run.replace else code, tuple(_outcome(d) for d in run.decoders))
 
 
-class _FileEdit:
-    """The classes of one file rewritten so far (by node id), the imports they need and the names the
-    header lists; ``decoder`` adapts one decoder and its holders or records why not."""
-
-    def __init__(self, module: cst.Module, top: list[cst.ClassDef], spec: AdapterSpec | None, label: str,
-                 line_of: LineIndex, lookup: ClassLookup, rule: str | None = None) -> None:
-        self.module, self.top, self.spec, self.label, self.line_of, self.lookup = module, top, spec, label, line_of, lookup
-        self.rule = rule
-        self.replace: dict[cst.ClassDef, cst.ClassDef] = {}  # original class -> its rewrite
-        self.needed: set[str] = set()
-        self.adapted_names: list[str] = []
-        self.eagle3_ready = {c.name.value for c in top if has_base(c, VLLM_EAGLE3_INTERFACE)}
-
-    def decoder(self, dec: cst.ClassDef, held: list[Holder]) -> DecoderOutcome:
-        name = dec.name.value
-        causal = tuple(h.cls.name.value for h in held)
-        attr = held[0].attr if held else None
-        self.line_of.near(dec)
-        try:
-            status, reason = judge(dec, self.lookup)
-            if status is DecoderStatus.ADAPTED:
-                self._adapt(dec, held)
-        except Decline as exc:
-            status, reason = DecoderStatus.DECLINED, f"line {self.line_of(exc.node)}: {exc.reason}"
-        return DecoderOutcome(name, status, "" if status is DecoderStatus.ADAPTED else reason, causal, attr)
-
-    def _plan(self, dec: cst.ClassDef) -> ForwardPlan | Branches | Helpers:
-        found = forward_plans(dec, self.line_of, self.lookup)
-        if isinstance(found, Branches):  # one loop per config branch: each branch's residual read on its own
-            return with_plans(found, [self._residual_rule(dec, p) for p in found.plans])
-        if isinstance(found, Helpers):  # the model's own captures, in its helpers: nothing to read
-            return found
-        return self._residual_rule(dec, found)
-
-    def _residual_rule(self, dec: cst.ClassDef, plan: ForwardPlan) -> ForwardPlan:
-        if plan.residual is not None and not plan.own_capture and plan.before_capture is None and plan.residual_arg is None:
-            reads = residual_read(dec, plan, self.lookup, {c.name.value for c in self.top}, self.rule)
-            if isinstance(reads, tuple):
-                plan = replace_plan(plan, stale_for=reads)
-            elif not reads:
-                plan = replace_plan(plan, stale_residual=True)
-            if reads is not True and zero_is_none(dec, plan, self.lookup):
-                plan = replace_plan(plan, zero_none_residual=True)
-        return plan
-
-    def _adapt(self, dec: cst.ClassDef, held: list[Holder]) -> None:
-        spec, replace, name = self.spec, self.replace, dec.name.value
-        plan = self._plan(dec)
-        new_dec, imports = adapt_decoder(replace.get(dec, dec), plan, spec, self.label, self.module)
-        if spec is not None and held and spec.embed_decoder_attr not in (None, held[0].attr):
-            raise Decline(f"spec {spec.name} ({spec.source}) says embed.decoder_attr = {spec.embed_decoder_attr!r} "
-                          f"but {held[0].cls.name.value} holds {name} as self.{held[0].attr}: fix the spec", held[0].cls)
-        module_type = nn_module_type(module_names(self.module))
-        new_dec = decoder_surface(new_dec, held, module_type)  # what vLLM's V2 runner reads where it looks
-        edits = []
-        for h in held:
-            bases_ready = any(base_name(b) in self.eagle3_ready for b in bases_of(h.cls))
-            new_h, more = adapt_holder(replace.get(h.cls, h.cls), h.attr, plan.loop.layers_attr, bases_ready,
-                                       module_type, h.multimodal)
-            edits.append((h.cls, new_h))
-            imports |= more
-            self.eagle3_ready.add(h.cls.name.value)
-            if h.wrapper is not None:
-                wrapped = share_embed(replace.get(h.wrapper, h.wrapper), h.wrapper_attr, new_dec, module_type)
-                wrapped = wrapper_surface(wrapped, h.wrapper_attr)
-                edits.append((h.wrapper, wrapped))
-                replace[h.wrapper] = wrapped
-        replace[dec] = new_dec
-        for old, new in edits:
-            replace[old] = new
-        self.needed |= imports
-        changed = {old for old, new in edits if new is not old}
-        named = [h.cls.name.value for h in held if not h.multimodal or h.cls in changed]
-        self.adapted_names += [name, *named, *(h.wrapper.name.value for h in held if h.wrapper is not None)]
-
-
-def _select(decoders: list[cst.ClassDef], holders: dict[str, list[Holder]], classes: Sequence[str] | None,
-            top: list[cst.ClassDef], label: str) -> list[cst.ClassDef]:
-    if classes is None:
-        return decoders
-    by_name = {d.name.value: d for d in decoders}
-    chosen: list[cst.ClassDef] = []
-    for name in classes:
-        picked = [by_name[name]] if name in by_name else [by_name[d] for d, hs in holders.items()
-                                                           if any(h.cls.name.value == name for h in hs)]
-        if not picked:
-            present = ", ".join(c.name.value for c in top) or "none"
-            pp = ", ".join(by_name)
-            if name in {c.name.value for c in top}:
-                raise UsageError(f"{label}: class {name!r} is neither a PP decoder nor a class holding one "
-                                 f"(PP decoders here: {pp}); pass one of them to --class")
-            raise UsageError(f"{label}: no top-level class {name!r} (classes here: {present}); pass a PP decoder "
-                             f"({pp}) or the class holding it to --class")
-        chosen += [d for d in picked if all(d is not c for c in chosen)]
-    return chosen
+def _outcome(dec: DecoderRun) -> DecoderOutcome:
+    assert dec.status is not None, f"{dec.name} was never judged"  # JudgeDecodersCommand judges every decoder
+    return DecoderOutcome(dec.name, dec.status, "" if dec.status is DecoderStatus.ADAPTED else dec.reason,
+                          tuple(h.cls.name.value for h in dec.holders), dec.holders[0].attr if dec.holders else None)
 
 
 __all__ = ["DecoderOutcome", "VllmAdaptation", "adapt_vllm_module", "GENERATOR", "GENERATOR_VERSION"]
