@@ -35,7 +35,8 @@ per step but lowered held-out acceptance (k = 3) from 2.21 to 1.94 — too few g
 What the training batches report is in-sample: on one H200 (16384 generations, 6000 steps of 64, ~23
 passes over the data, a third of the prompts copies of ~560 file starts) they said 0.85 agreement per
 TTT step while the engine measured 2.105 tokens per step on held-out prompts. The engine is right: on
-fresh generations (CPU, prompts of Python 3.11's train / held-out split, another seed) the same draft agrees 0.74 (train-file prompts) and 0.60 (held-out-file prompts) with
+fresh generations (CPU, prompts of Python 3.11's train / held-out split, another seed) the same draft agrees
+0.74 (train-file prompts) and 0.60 (held-out-file prompts) with
 in-vocabulary labels, 0.69/0.55 counting every label, and ``verify_walk`` over those hits gives 2.33 and
 1.92, equal to ``reference_speculative_generate`` on the same prompts step for step. So ``--retrain-draft``
 now draws distinct prompts, generates ``--heldout-sequences`` continuations of held-out-file prompts that
@@ -60,7 +61,8 @@ Steps, each timed in ``metrics.json``:
    medium), next-token cross-entropy;
 4. draft: EAGLE3 (``pipespec.engine.draft``) on the frozen target's aux states at the default ids
    ``(2, N//2, N-3)``; in the demo preset (and ``--retrain-draft``) on the target's own greedy generations
-   (``demo_training/retrain.py``), else (quick, full, medium) on corpus windows, trained to match the target's next-next-token distribution over a pruned draft
+   (``demo_training/retrain.py``), else (quick, full, medium) on corpus windows, trained to match the
+   target's next-next-token distribution over a pruned draft
    vocabulary (the most frequent tokens, mapped back by ``d2t``), with ``--ttt-steps`` unrolled steps of
    test-time training: step i feeds the draft its own step i-1 output and attends to the verified
    positions plus its own earlier steps of the same chain — exactly what the draft's KV cache holds at
@@ -75,7 +77,8 @@ The corpus is the stdlib of the Python that runs the script, so figures differ s
 versions; ``metrics.json`` records the version, torch version, device, preset, and the command.
 
 Presets (``--preset``; ``--quick`` is ``--preset quick``): ``quick`` is a CPU smoke test, ``demo`` the
-shipped pair (the default), ``full`` the 1024-token target shipped before it (3.3M parameters), ``medium`` a target big enough that a GPU decode step is more than
+shipped pair (the default), ``full`` the 1024-token target shipped before it (3.3M parameters), ``medium`` a
+target big enough that a GPU decode step is more than
 kernel launches, for the speedup benchmark (``pipespec bench p3 --pair DIR``), meant for one H200 in bf16
 autocast. Medium's sizes and the estimate behind its step counts:
 

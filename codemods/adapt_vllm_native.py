@@ -19,7 +19,8 @@ named) so that it runs in vLLM unchanged:
 Files already PP-correct come back byte-identical (status ``unchanged``); a decoder this cannot rewrite
 safely is ``declined`` with the construct and its line. Running on its own output changes nothing. The
 generated code imports only vLLM and torch. The work is done by the passes of ``vllm_native_passes``
-(one libcst ``Codemod`` per concern, ``PASSES`` in order), which share one ``CodemodContext``. This module parses source only: it never imports vLLM nor
+(one libcst ``Codemod`` per concern, ``PASSES`` in order), which share one ``CodemodContext``. This module
+parses source only: it never imports vLLM nor
 executes the code it reads.
 """
 

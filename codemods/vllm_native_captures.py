@@ -132,7 +132,8 @@ def is_aux_return_guard(stmt: cst.CSTNode, aux: set[str]) -> bool:
     if not isinstance(stmt, cst.If) or stmt.orelse is not None or not (names_in(stmt.test) & aux):
         return False
     body = cst.ensure_type(stmt.body, cst.IndentedBlock).body if isinstance(stmt.body, cst.IndentedBlock) else ()
-    return len(body) == 1 and m.matches(body[0], m.SimpleStatementLine(body=[m.Return(m.Tuple([m.Element(), m.Element(m.OneOf(*(m.Name(n) for n in aux)))]))]))
+    returns_pair = m.Return(m.Tuple([m.Element(), m.Element(m.OneOf(*(m.Name(n) for n in aux)))]))
+    return len(body) == 1 and m.matches(body[0], m.SimpleStatementLine(body=[returns_pair]))
 
 
 

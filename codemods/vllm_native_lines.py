@@ -64,7 +64,8 @@ class LineIndex:
     def _line_start_of(self, cls: cst.ClassDef, positions: Mapping[cst.CSTNode, CodeRange]) -> tuple[int, int] | None:
         """(lines before the class's code, its character offset in the file): the line of its ``class``
         keyword (where libcst starts the class, after any decorators) as Python's parser gives it, less that
-        line within the class's own code (its leading blank and comment lines and decorators before it). None for a file with other line breaks
+        line within the class's own code (its leading blank and comment lines and decorators before it). None
+        for a file with other line breaks
         than ``\\n`` or ``\\r\\n`` (lines counted otherwise), or a class name defined twice."""
         if self._starts is None:
             if "\r" in self._code.replace("\r\n", "\n"):

@@ -53,8 +53,9 @@ def judge(dec: cst.ClassDef, lookup: ClassLookup | None) -> tuple[DecoderStatus,
         return DecoderStatus.ADAPTED, ""
     owner, value, unread = inherited_flag(dec, lookup)
     if value == "True":
-        return DecoderStatus.UNCHANGED, (f"already follows vLLM's contract: it inherits {AUX_OVER_PP_FLAG} = True from {owner} (vLLM's runner "
-                             "reads the flag with getattr) and its own forward collects and packs aux states")
+        return DecoderStatus.UNCHANGED, (f"already follows vLLM's contract: it inherits {AUX_OVER_PP_FLAG} = True from "
+                                         f"{owner} (vLLM's runner reads the flag with getattr) and its own forward "
+                                         "collects and packs aux states")
     forward = methods(dec)["forward"]
     if owner is not None:
         raise Decline(f"its forward collects and packs aux states, but it inherits {AUX_OVER_PP_FLAG} = {value} from {owner}: "

@@ -7,7 +7,8 @@ trained demo shipped in ``pipespec.demo`` (a constructed agreeing pair from ``pi
 when the demo is absent), or with ``--pair DIR`` a pair ``bench/train_demo.py`` wrote (e.g. its
 ``--preset medium``, a 51M target trained on the device for a GPU run); the prompts are held-out ones
 from the Python standard library (the corpus of both; files they never trained on). Each run's raw
-``generate`` JSON is appended to ``OUT/p3_runs.jsonl`` as it completes (with ``--out``). Concurrency c = the number of prompts in one ``--prompts-file`` run; every run decodes exactly M new
+``generate`` JSON is appended to ``OUT/p3_runs.jsonl`` as it completes (with ``--out``). Concurrency c = the
+number of prompts in one ``--prompts-file`` run; every run decodes exactly M new
 tokens per prompt (``--ignore-eos``); tokens/s is the engine's own figure (decoding only, after its
 warm-up). Speedup = tokens/s(k) ÷ tokens/s(0) at the same c; a full CPU run repeats the whole sweep
 3 times, interleaved, and uses the medians (``--quick`` and CUDA runs once, for their time budgets).
@@ -322,7 +323,8 @@ def policy_results(rates: dict[tuple[int, int, str], list[float]], traces: dict[
             detail=(f"adaptive {adaptive:.1f} / max(always {always:.1f}, plain {plain:.1f}) tokens/s, k=3, PP={pp} "
                     f"(medians of {len(rates[keys[0]])} interleaved: adaptive {_fmt(rates[keys[0]])}, always {_fmt(rates[keys[1]])}, "
                     f"plain {_fmt(rates[keys[2]])}; paired, the median of each repeat's adaptive ÷ its better fixed "
-                    f"run: {'n/a' if paired is None else f'{paired:.3f}'}); adaptive rounds speculative {spec_rounds} / plain {plain_rounds}, "
+                    f"run: {'n/a' if paired is None else f'{paired:.3f}'}); "
+                    f"adaptive rounds speculative {spec_rounds} / plain {plain_rounds}, "
                     f"switches {[t['switches'] for t in runs]}, load changes {[t.get('load_changes', 0) for t in runs]} "
                     f"(settled by drafting's acceptance, no plain round: {[t.get('load_checks', 0) for t in runs]}), "
                     f"decisions: {'; '.join(reasons) or 'none'}; "

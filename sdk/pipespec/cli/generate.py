@@ -153,7 +153,8 @@ def print_result(result: dict[str, Any], as_json: bool, batch: bool) -> None:
     )
     for s in result["stages"]:
         share = s["bytes_read"] / s["checkpoint_bytes"] if s["checkpoint_bytes"] else 0.0
-        print(f"  stage {s['rank']}: layers [{s['start_layer']}, {s['end_layer']}), read {s['bytes_read'] / 1e6:.2f} MB ({share:.0%} of the checkpoint)")
+        print(f"  stage {s['rank']}: layers [{s['start_layer']}, {s['end_layer']}), "
+              f"read {s['bytes_read'] / 1e6:.2f} MB ({share:.0%} of the checkpoint)")
 
 
 _ANNOUNCED: set[str] = set()

@@ -14,7 +14,8 @@ on itself, seeds from the hand-off and adds its keys to it, imports nothing from
 on its own output changes nothing and calls it unchanged), **unchanged**, **declined** (construct and line),
 **crashed** (the codemod raised, or an adapted output failed a check). SGLang 0.5.23 relays aux states over
 PP for no model, so nothing is **supported**. Rows and statuses are the vLLM source zoo's types
-(``SourceRow``, ``SourceZoo``, ``Status``); the run over files is ``source_zoo_run.run_files``. Nothing here imports SGLang, torch, or the code it reads.
+(``SourceRow``, ``SourceZoo``, ``Status``); the run over files is ``source_zoo_run.run_files``. Nothing here
+imports SGLang, torch, or the code it reads.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 SGLang's ``load_plugins()`` calls ``register()`` in the engine and in every scheduler process, before the
 server arguments are checked and before any model is built. It reads ``PIPESPEC_SGLANG`` (``on`` by default;
 ``off`` makes it a no-op, so SGLang's own guards refuse EAGLE3 aux states under PP; anything else stops
-every run at argument resolution with one line) and registers the hooks listed in ``patches.py``. What happens at engine load is ``adapt_at_load``.
+every run at argument resolution with one line) and registers the hooks listed in ``patches.py``. What
+happens at engine load is ``adapt_at_load``.
 
 Must stay cheap and import nothing of SGLang's model code: SGLang loads plugins in every process. SGLang logs
 and swallows an exception raised here, so refusals happen in the hooks, where they stop the run.
