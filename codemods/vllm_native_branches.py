@@ -32,6 +32,7 @@ import libcst.matchers as m
 from pipespec.codemods.vllm_native_helpers import Helpers, helper_plan
 from pipespec.codemods.vllm_native_loop import ClassLookup, Decline, ForwardPlan, Loop, methods, stage_loops
 from pipespec.codemods.vllm_native_names import snippet_of
+from pipespec.codemods.vllm_native_qualified import UNBOUND, VllmNames
 from pipespec.codemods.vllm_native_shape import bound_names, forward_plan, plan_loop, running_loops
 
 
@@ -62,20 +63,20 @@ class Branches:
 
 
 def forward_plans(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int],
-                  lookup: ClassLookup | None = None) -> ForwardPlan | Branches | Helpers:
+                  lookup: ClassLookup | None = None, names: VllmNames = UNBOUND) -> ForwardPlan | Branches | Helpers:
     """``forward_plan`` for a forward with one layer loop; ``Branches`` for one loop per config branch
     (see the module docstring); ``Helpers`` for layers run in helper methods (vllm_native_helpers); the
     one-loop ``Decline`` for any other forward with several, or none that runs the layers."""
     fn = methods(cls)["forward"]
     running = running_loops(fn, stage_loops(fn))
     if not running:  # the layers run in helper methods of the class (DeepSeek-V4.1 NVIDIA)
-        helpers = helper_plan(cls, line_of)
+        helpers = helper_plan(cls, line_of, names)
         if helpers is not None:
             return helpers
     paths = _paths(fn, running) if len(running) > 1 else None
     if paths is None:
-        return forward_plan(cls, line_of, lookup)
-    plans = tuple(plan_loop(cls, fn, path, loop, line_of, lookup) for loop, path in paths)
+        return forward_plan(cls, line_of, lookup, names)
+    plans = tuple(plan_loop(cls, fn, path, loop, line_of, lookup, names) for loop, path in paths)
     top = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
     first = min(i for i, s in enumerate(top) for lp in running if any(x is lp for x in m.findall(s, m.For())))
     prelude_at = cst.ensure_type(top[first], cst.If)

@@ -19,16 +19,16 @@ from pipespec.codemods.vllm_native_names import (
     GENERATOR,
     GENERATOR_VERSION,
     TARGET_EMBED,
-    has_base,
     module_names,
     nn_module_type,
 )
+from pipespec.codemods.vllm_native_qualified import UNBOUND, VllmNames
 from pipespec.contract.names import AUX_OVER_PP_FLAG, GENERATED_BY_ATTR, VLLM_EAGLE_MIXIN
 from pipespec.contract.spec import AdapterSpec
 
 
 def adapt_decoder(dec: cst.ClassDef, plan: ForwardPlan | Branches | Helpers, spec: AdapterSpec | None, label: str,
-                   module: cst.Module) -> tuple[cst.ClassDef, set[str]]:
+                   module: cst.Module, names: VllmNames = UNBOUND) -> tuple[cst.ClassDef, set[str]]:
     imports: set[str] = set()
     if spec is not None and plan.loop.layers_attr != spec.layers_attr:
         raise Decline(f"the loop runs self.{plan.loop.layers_attr} but spec {spec.name} ({spec.source}) says "
@@ -42,7 +42,7 @@ def adapt_decoder(dec: cst.ClassDef, plan: ForwardPlan | Branches | Helpers, spe
     init = own.get("__init__")
     new_init, embed = (init, None)
     if init is not None:
-        new_init, embed, needs = _target_embed(init, spec)
+        new_init, embed, needs = _target_embed(init, spec, names)
         if needs:
             imports.add(TARGET_EMBED)
     alias = None
@@ -74,7 +74,7 @@ def adapt_decoder(dec: cst.ClassDef, plan: ForwardPlan | Branches | Helpers, spe
         body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
     body[at:at] = lines
     bases = list(dec.bases)
-    if not has_base(dec, VLLM_EAGLE_MIXIN):
+    if not names.has_base(dec, VLLM_EAGLE_MIXIN):
         imports.add(VLLM_EAGLE_MIXIN)
         if bases:
             bases[-1] = bases[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
@@ -84,15 +84,15 @@ def adapt_decoder(dec: cst.ClassDef, plan: ForwardPlan | Branches | Helpers, spe
 
 
 
-def _target_embed(init: cst.FunctionDef, spec: AdapterSpec | None) -> tuple[cst.FunctionDef, str | None, bool]:
+def _target_embed(init: cst.FunctionDef, spec: AdapterSpec | None, names: VllmNames) -> tuple[cst.FunctionDef, str | None, bool]:
     """Build the embedding on the last rank too when a drafter needs it (vLLM's llama.py condition).
 
     Returns the new ``__init__``, the embedding's attribute name (None when not found) and whether the
     condition was added.
     """
-    first = m.Attribute(value=m.Call(func=m.Name("get_pp_group")), attr=m.Name("is_first_rank"))
+    first = m.Attribute(value=m.Call(func=names.ref("get_pp_group")), attr=m.Name("is_first_rank"))
     missing = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(self_attr())],
-                                                   value=m.Call(func=m.Name("PPMissingLayer")))])
+                                                   value=m.Call(func=names.ref("PPMissingLayer")))])
     found = None
     for node in m.findall(init, m.If(test=m.MatchIfTrue(lambda t: bool(m.findall(t, first))),
                                      orelse=m.Else(body=m.IndentedBlock(body=[missing])))):

@@ -35,7 +35,6 @@ import libcst.matchers as m
 from pipespec.codemods.vllm_forward_shape import names_in, own_scope, self_attr
 from pipespec.codemods.vllm_native_captures import is_aux_return_guard
 from pipespec.codemods.vllm_native_loop import (
-    INTERMEDIATE,
     RANK,
     Decline,
     Loop,
@@ -44,6 +43,7 @@ from pipespec.codemods.vllm_native_loop import (
     stage_loops,
 )
 from pipespec.codemods.vllm_native_names import snippet_of
+from pipespec.codemods.vllm_native_qualified import UNBOUND, VllmNames
 
 _LAYERS_LIST = m.Attribute(value=m.Name("self"), attr=m.Name("aux_hidden_state_layers"))
 
@@ -65,7 +65,7 @@ class Helpers:
     own_capture: bool = True
 
 
-def helper_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Helpers | None:
+def helper_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int], names: VllmNames = UNBOUND) -> Helpers | None:
     """The plan for the form in the module docstring, or None where forward is not of it (the caller
     then declines as for any forward whose loop does not run the layers). ``Decline`` where it is of
     that form but a part cannot be read as safe (a key that is not a global id of this stage, ...)."""
@@ -124,8 +124,9 @@ def helper_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int]) -> Hel
         raise Decline(f"forward returns before it assembles `{aux}` (`{snippet_of(early[0])}`): that path does not run "
                       "the helpers that run this stage's layers, so it would neither take the upstream ranks' aux "
                       "states nor pack this rank's for the next", early[0])
-    nonlast = tuple(r for r in returns if m.matches(r.value, INTERMEDIATE))
-    last = tuple(r for r in returns if not m.matches(r.value, INTERMEDIATE) and r is not ret)
+    intermediate = m.Call(func=names.ref("IntermediateTensors"))
+    nonlast = tuple(r for r in returns if m.matches(r.value, intermediate))
+    last = tuple(r for r in returns if not m.matches(r.value, intermediate) and r is not ret)
     if not nonlast or not last or any(isinstance(r.value, cst.Tuple) for r in last):
         return None
     init = _check_table(fn, body, own, table, set(runners))

@@ -11,7 +11,8 @@ import libcst.matchers as m
 
 from pipespec.codemods.vllm_forward_shape import is_docstring, names_in, self_attr
 from pipespec.codemods.vllm_native_loop import methods
-from pipespec.codemods.vllm_native_names import DRAFTER_EMBEDS, has_base, source_of
+from pipespec.codemods.vllm_native_names import DRAFTER_EMBEDS, source_of
+from pipespec.codemods.vllm_native_qualified import UNBOUND, VllmNames
 from pipespec.contract.names import VLLM_EAGLE3_INTERFACE
 
 
@@ -22,16 +23,17 @@ class Holder:
     wrapper: cst.ClassDef | None = None  # the plain class between them (OPTModel), if any
     wrapper_attr: str = ""  # the wrapper's attribute holding the decoder ("decoder")
     multimodal: bool = False  # a SupportsMultiModal class holding the causal LM as language_model
+    supports_multimodal: bool = False  # the class implements vLLM's SupportsMultiModal (is_multimodal)
 
 
 
-def find_holders(top: list[cst.ClassDef], decoder: str) -> list[Holder]:
+def find_holders(top: list[cst.ClassDef], decoder: str, names: VllmNames = UNBOUND) -> list[Holder]:
     """Top-level causal LMs that build ``decoder`` into ``self.<attr>`` (directly or via one of their
     methods), or into ``self.<attr>.<inner>`` through one plain wrapper class of the file whose forward
     only returns ``self.<inner>(...)`` (OPTForCausalLM.model -> OPTModel.decoder -> OPTDecoder)."""
     out = []
-    names = _class_names(top)
-    mentions = [c for c in top if c.name.value != decoder and decoder in names[c]]
+    used = _class_names(top)
+    mentions = [c for c in top if c.name.value != decoder and decoder in used[c]]
     wrappers = [(w, inner[0]) for w in mentions if not is_generative(w)
                 for inner in [built_attrs(w, decoder)] if inner and forwards_to(w, inner[0])]
     for cls in top:
@@ -39,7 +41,7 @@ def find_holders(top: list[cst.ClassDef], decoder: str) -> list[Holder]:
             continue
         attrs = built_attrs(cls, decoder) if any(cls is c for c in mentions) else []
         if attrs:
-            out.append(Holder(cls, attrs[0]))
+            out.append(Holder(cls, attrs[0], supports_multimodal=is_multimodal(cls, names)))
             continue
         for wrapper, inner_attr in wrappers:
             if wrapper is cls:
@@ -47,9 +49,10 @@ def find_holders(top: list[cst.ClassDef], decoder: str) -> list[Holder]:
             inner = [inner_attr]
             outer = built_attrs(cls, wrapper.name.value)
             if outer:
-                out.append(Holder(cls, f"{outer[0]}.{inner[0]}", wrapper, inner[0]))
+                out.append(Holder(cls, f"{outer[0]}.{inner[0]}", wrapper, inner[0],
+                                  supports_multimodal=is_multimodal(cls, names)))
                 break
-    return out + multimodal_holders(top, out)
+    return out + multimodal_holders(top, out, names)
 
 
 _NAMES_OF: list[tuple[tuple[cst.ClassDef, ...], dict[cst.ClassDef, set[str]]]] = []  # the last file's classes and their names
@@ -64,7 +67,7 @@ def _class_names(top: list[cst.ClassDef]) -> dict[cst.ClassDef, set[str]]:
     return _NAMES_OF[0][1]
 
 
-def multimodal_holders(top: list[cst.ClassDef], direct: list[Holder]) -> list[Holder]:
+def multimodal_holders(top: list[cst.ClassDef], direct: list[Holder], names: VllmNames = UNBOUND) -> list[Holder]:
     """Multimodal classes of the file that build a causal LM holding the decoder as their language model
     (MossAudioModel.language_model = MossQwen3ForCausalLM(...)): the class vLLM's registry builds. vLLM's
     ``SupportsEagle3`` defaults reach the decoder through ``get_language_model().model`` and its drafter
@@ -72,18 +75,18 @@ def multimodal_holders(top: list[cst.ClassDef], direct: list[Holder]) -> list[Ho
     held = {h.cls.name.value: h for h in direct if h.attr == "model"}
     out = []
     for cls in top:
-        if cls.name.value in held or any(cls is h.cls for h in direct) or not is_multimodal(cls):
+        if cls.name.value in held or any(cls is h.cls for h in direct) or not is_multimodal(cls, names):
             continue
         for name, inner in held.items():
             if name in _class_names(top)[cls] and "language_model" in built_attrs(cls, name):
-                out.append(Holder(cls, f"language_model.{inner.attr}", multimodal=True))
+                out.append(Holder(cls, f"language_model.{inner.attr}", multimodal=True, supports_multimodal=True))
                 break
     return out
 
 
-def is_multimodal(cls: cst.ClassDef) -> bool:
+def is_multimodal(cls: cst.ClassDef, names: VllmNames = UNBOUND) -> bool:
     """``cls`` implements vLLM's ``SupportsMultiModal`` (whose ``get_language_model`` finds the text model)."""
-    return has_base(cls, "SupportsMultiModal") or "get_language_model" in methods(cls)
+    return names.has_base(cls, "SupportsMultiModal") or "get_language_model" in methods(cls)
 
 
 def forwards_to(cls: cst.ClassDef, attr: str) -> bool:
@@ -139,7 +142,7 @@ def is_generative(cls: cst.ClassDef) -> bool:
 
 
 def adapt_holder(cls: cst.ClassDef, attr: str, layers_attr: str, bases_ready: bool,
-                  module_type: str, multimodal: bool = False) -> tuple[cst.ClassDef, set[str]]:
+                  module_type: str, multimodal: bool = False, names: VllmNames = UNBOUND) -> tuple[cst.ClassDef, set[str]]:
     """``SupportsEagle3`` and what vLLM's protocol defaults cannot find on their own (a multimodal holder
     of the causal LM needs only the base: the defaults go through ``get_language_model().model``)."""
     imports: set[str] = set()
@@ -168,7 +171,7 @@ def adapt_holder(cls: cst.ClassDef, attr: str, layers_attr: str, bases_ready: bo
     for text in extra:
         body.append(cst.parse_statement(text).with_changes(leading_lines=[cst.EmptyLine(indent=False)]))
     bases = list(cls.bases)
-    if not has_base(cls, VLLM_EAGLE3_INTERFACE) and not bases_ready:
+    if not names.has_base(cls, VLLM_EAGLE3_INTERFACE) and not bases_ready:
         imports.add(VLLM_EAGLE3_INTERFACE)
         if bases:
             bases[-1] = bases[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))

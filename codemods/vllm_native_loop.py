@@ -28,7 +28,8 @@ CAPTURE_CALLS = ("_maybe_add_hidden_state",)
 _ISLICE_ENUM = m.Call(func=m.Name("islice") | m.Attribute(attr=m.Name("islice")),
                       args=[m.Arg(m.Call(func=m.Name("enumerate"), args=[m.Arg(self_attr())])), m.Arg(START), m.Arg(END)])
 STAGE_LOOP_ITER = STAGE_LAYERS | ENUMERATE | _ISLICE_ENUM | RANGE
-INTERMEDIATE = m.Call(func=m.Name("IntermediateTensors") | m.Attribute(attr=m.Name("IntermediateTensors")))
+#: forward asks ``get_pp_group()`` by that spelling, which the generated rank checks then use without an import
+#: (vLLM's names are otherwise matched by what they are bound to: vllm_native_qualified)
 RANK = m.Attribute(value=m.Call(func=m.Name("get_pp_group"), args=[]), attr=m.Name("is_first_rank") | m.Name("is_last_rank"))
 
 

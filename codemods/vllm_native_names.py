@@ -62,9 +62,6 @@ def base_name(expr: cst.BaseExpression) -> str:
     return ""
 
 
-def has_base(cls: cst.ClassDef, name: str) -> bool:
-    return any(base_name(b) == name for b in bases_of(cls))
-
 
 
 def module_names(module: cst.Module) -> set[str]:

@@ -36,10 +36,10 @@ from pipespec.codemods.vllm_native_names import (
     PP_DECODER,
     base_name,
     bases_of,
-    has_base,
     module_names,
     nn_module_type,
 )
+from pipespec.codemods.vllm_native_qualified import UNBOUND, VllmNames
 from pipespec.codemods.vllm_native_residual import residual_read, zero_is_none
 from pipespec.codemods.vllm_native_runner_surface import decoder_surface, wrapper_surface
 from pipespec.codemods.vllm_native_support import DecoderStatus, judge
@@ -87,6 +87,7 @@ class NativeRun:
     needed: set[str] = field(default_factory=set)  # names the generated code imports
     adapted_names: list[str] = field(default_factory=list)  # the classes the header lists
     eagle3_ready: set[str] = field(default_factory=set)  # classes that are SupportsEagle3 (bases or rewrite)
+    names: VllmNames = UNBOUND  # the file's names for vLLM's (vllm_native_qualified), read when decoders are found
 
     def __post_init__(self) -> None:
         self.line_of = LineIndex(self.module, self.code)  # positions resolved per decoder class, where a line is asked
@@ -133,12 +134,13 @@ class FindDecodersCommand(NativePass):
             present = ", ".join(c.name.value for c in run.top) or "none"
             raise UsageError(f"{run.label}: no PP decoder here ({PP_DECODER}; classes here: {present}); "
                              "pass a vLLM model file with one")
-        holders = {d.name.value: find_holders(run.top, d.name.value) for d in found}
+        run.names = VllmNames.of(tree)
+        holders = {d.name.value: find_holders(run.top, d.name.value, run.names) for d in found}
         chosen = _select(found, holders, run.classes, run.top, run.label)
         if run.spec is not None and len(chosen) > 1:
             chosen = [d for d in chosen if d.name.value == run.spec.decoder_class_name] or chosen
         run.decoders = [DecoderRun(d, holders[d.name.value]) for d in chosen]
-        run.eagle3_ready = {c.name.value for c in run.top if has_base(c, VLLM_EAGLE3_INTERFACE)}
+        run.eagle3_ready = {c.name.value for c in run.top if run.names.has_base(c, VLLM_EAGLE3_INTERFACE)}
         return tree
 
 
@@ -161,7 +163,7 @@ class PlanForwardCommand(NativePass):
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         def plan(dec: DecoderRun) -> None:
-            dec.plan = forward_plans(dec.cls, self.run.line_of, self.run.lookup)
+            dec.plan = forward_plans(dec.cls, self.run.line_of, self.run.lookup, self.run.names)
 
         self.each_adapted(plan)
         return tree
@@ -206,7 +208,8 @@ class RewriteDecodersCommand(NativePass):
 
         def rewrite(dec: DecoderRun) -> None:
             assert dec.plan is not None
-            new_dec, imports = adapt_decoder(run.replace.get(dec.cls, dec.cls), dec.plan, run.spec, run.label, tree)
+            new_dec, imports = adapt_decoder(run.replace.get(dec.cls, dec.cls), dec.plan, run.spec, run.label, tree,
+                                             run.names)
             held, spec = dec.holders, run.spec
             if spec is not None and held and spec.embed_decoder_attr not in (None, held[0].attr):
                 raise Decline(f"spec {spec.name} ({spec.source}) says embed.decoder_attr = {spec.embed_decoder_attr!r} "
@@ -232,7 +235,7 @@ class RewriteHoldersCommand(NativePass):
             for h in dec.holders:
                 bases_ready = any(base_name(b) in run.eagle3_ready for b in bases_of(h.cls))
                 new_h, more = adapt_holder(replace.get(h.cls, h.cls), h.attr, dec.plan.loop.layers_attr, bases_ready,
-                                           module_type, h.multimodal)
+                                           module_type, h.multimodal, run.names)
                 edits.append((h.cls, new_h))
                 imports |= more
                 run.eagle3_ready.add(h.cls.name.value)

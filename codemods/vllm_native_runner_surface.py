@@ -32,7 +32,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from pipespec.codemods.vllm_forward_shape import is_docstring, self_attr
-from pipespec.codemods.vllm_native_holders import Holder, has_attr, is_multimodal
+from pipespec.codemods.vllm_native_holders import Holder, has_attr
 from pipespec.codemods.vllm_native_loop import methods, own_flag
 from pipespec.codemods.vllm_native_names import base_name, bases_of
 from pipespec.contract.names import AUX_OVER_PP_FLAG
@@ -100,7 +100,7 @@ def _delegate(name: str, kind: str, inner: str) -> cst.BaseStatement:
 def _language_model_is_decoder(holder: Holder) -> bool:
     """``holder.cls.get_language_model()`` is the decoder at ``self.<holder.attr>``: its own method returns
     it, or (vLLM's ``SupportsMultiModal`` default) the decoder is built inside ``_mark_language_model``."""
-    if holder.multimodal or holder.wrapper is not None or "." in holder.attr or not is_multimodal(holder.cls):
+    if holder.multimodal or holder.wrapper is not None or "." in holder.attr or not holder.supports_multimodal:
         return False
     own = methods(holder.cls).get("get_language_model")
     if own is not None:

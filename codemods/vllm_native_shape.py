@@ -34,7 +34,6 @@ from pipespec.codemods.vllm_native_captures import (
 )
 from pipespec.codemods.vllm_native_layers import layer_classes
 from pipespec.codemods.vllm_native_loop import (
-    INTERMEDIATE,
     RANK,
     ClassLookup,
     Decline,
@@ -49,11 +48,12 @@ from pipespec.codemods.vllm_native_loop import (
     stage_loops,
 )
 from pipespec.codemods.vllm_native_names import line_breaks_in, snippet_of
+from pipespec.codemods.vllm_native_qualified import UNBOUND, VllmNames
 from pipespec.codemods.vllm_native_residual import unsent_stale_residual
 
 
 def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int],
-                 lookup: ClassLookup | None = None) -> ForwardPlan:
+                 lookup: ClassLookup | None = None, names: VllmNames = UNBOUND) -> ForwardPlan:
     """Read the decoder's forward (see the module docstring); ``Decline`` for what it cannot rewrite.
     ``lookup`` finds the layer classes (see ``residual_read``): with it, a residual the layers hand on but
     the next stage is not sent is accepted where every layer rebinds it before reading it (Gemma4)."""
@@ -65,13 +65,14 @@ def forward_plan(cls: cst.ClassDef, line_of: Callable[[cst.CSTNode], int],
     body = list(cst.ensure_type(fn.body, cst.IndentedBlock).body)
     if not any(s is loop for s in body):
         _decline_nested(cls, fn, body, loop)
-    return plan_loop(cls, fn, body, loop, line_of, lookup)
+    return plan_loop(cls, fn, body, loop, line_of, lookup, names)
 
 
 def plan_loop(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStatement], loop: cst.For,
-              line_of: Callable[[cst.CSTNode], int], lookup: ClassLookup | None) -> ForwardPlan:
+              line_of: Callable[[cst.CSTNode], int], lookup: ClassLookup | None, names: VllmNames = UNBOUND) -> ForwardPlan:
     """The plan of one loop over this stage's layers, ``loop`` a statement of ``body``: forward's own body,
-    or the statements one path through forward runs (vllm_native_branches: one per config branch)."""
+    or the statements one path through forward runs (vllm_native_branches: one per config branch).
+    ``names``: the file's names for vLLM's (``IntermediateTensors`` of the non-last return)."""
     if loop.orelse is not None:
         raise Decline("the layer loop has an else branch", loop)
     scope = own_scope(fn)
@@ -84,7 +85,7 @@ def plan_loop(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStateme
     used = names_in(fn)
     parsed = parse_loop(loop, used, stage_aliases(fn))
     on_path = {r for st in body for r in m.findall(st, m.Return())}
-    nonlast, last = _returns(cls, fn, body, loop, [r for r in scope.returns if r in on_path], line_of)
+    nonlast, last = _returns(cls, fn, body, loop, [r for r in scope.returns if r in on_path], line_of, names)
     if not nonlast:
         raise Decline("forward never returns IntermediateTensors({...}) for non-last ranks: it does not support "
                       "pipeline parallelism", fn)
@@ -169,7 +170,8 @@ def _decline_nested(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseS
 
 
 def _returns(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStatement], loop: cst.For,
-             returns: Sequence[cst.Return], line_of: Callable[[cst.CSTNode], int]) -> tuple[list[cst.Return], list[cst.Return]]:
+             returns: Sequence[cst.Return], line_of: Callable[[cst.CSTNode], int],
+             names: VllmNames = UNBOUND) -> tuple[list[cst.Return], list[cst.Return]]:
     """(non-last-rank ``return IntermediateTensors(...)``, last-rank returns), after the layer loop;
     ``Decline`` for a return before or inside it (except on a path no drafter runs) or a bare one."""
     loop_end = line_of(loop) + line_breaks_in(loop)
@@ -185,7 +187,7 @@ def _returns(cls: cst.ClassDef, fn: cst.FunctionDef, body: list[cst.BaseStatemen
                           "on no aux states and pack none for the next rank", ret)
         if line_of(ret) < loop_end:
             raise Decline(f"forward returns inside its layer loop (`{snippet_of(ret)}`)", ret)
-        if m.matches(ret.value, INTERMEDIATE):
+        if m.matches(ret.value, m.Call(func=names.ref("IntermediateTensors"))):
             nonlast.append(ret)
         elif ret.value is None:
             raise Decline("forward has a bare `return`: the last rank must return the hidden states", ret)

@@ -34,6 +34,7 @@ from pipespec.codemods.vllm_native_passes import (
     StampHeaderCommand,
     run_passes,
 )
+from pipespec.codemods.vllm_native_qualified import VllmNames
 from pipespec.codemods.vllm_native_support import DecoderStatus
 from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import UsageError
@@ -352,3 +353,52 @@ def test_nothing_adapted_leaves_the_module_untouched_by_every_module_pass() -> N
     tree, _ = run_passes(run)
     assert run.replace == {} and tree.code == code
 
+
+
+# ------------------------------------------------------------------- vLLM's names, by what they are bound to
+NAMES: dict[str, tuple[str, str, frozenset[str]]] = {  # case -> (imports, vLLM's name, the file's names for it)
+    "VALID: imported where vLLM defines it": ("from vllm.sequence import IntermediateTensors\n",
+                                              "IntermediateTensors", frozenset({"IntermediateTensors"})),
+    "VALID: under an alias": ("from vllm.sequence import IntermediateTensors as IT\n",
+                              "IntermediateTensors", frozenset({"IT"})),
+    "VALID: vLLM's re-export, relative": ("from .utils import IntermediateTensors\n",
+                                          "IntermediateTensors", frozenset({"IntermediateTensors"})),
+    "VALID: bound to nothing (a snippet)": ("import torch\n", "get_pp_group", frozenset({"get_pp_group"})),
+    "INVALID: the same spelling from another package": ("from mypkg.tensors import IntermediateTensors\n",
+                                                        "IntermediateTensors", frozenset()),
+    "INVALID: a class of the file": ("class PPMissingLayer:\n    pass\n", "PPMissingLayer", frozenset()),
+}
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_vllm_names_are_read_from_the_files_imports(case: str) -> None:
+    code, name, expected = NAMES[case]
+    assert VllmNames.of(cst.parse_module(code)).spellings(name) == expected
+
+
+def test_an_aliased_intermediate_tensors_is_the_non_last_hand_off() -> None:
+    """``IT({...})`` is vLLM's IntermediateTensors when the file imports it so: the decoder is planned and adapted."""
+    code = _edit(("from vllm.sequence import IntermediateTensors\n", "from vllm.sequence import IntermediateTensors as IT\n"),
+                 (NONLAST, NONLAST.replace("IntermediateTensors(", "IT(")))
+    dec = _only(_run(code, PlanForwardCommand))
+    assert dec.status is DecoderStatus.ADAPTED and isinstance(dec.plan, ForwardPlan)
+    assert [flat_source_of(r) for r in dec.plan.nonlast] == [NONLAST.strip().replace("IntermediateTensors(", "IT(")]
+
+
+def test_a_look_alike_intermediate_tensors_is_not_the_hand_off() -> None:
+    """The spelling alone is not enough: a file's own IntermediateTensors is not what vLLM's runner sends on."""
+    code = _edit(("from vllm.sequence import IntermediateTensors\n", "from mypkg.tensors import IntermediateTensors\n"))
+    dec = _only(_run(code, PlanForwardCommand))
+    assert dec.status is DecoderStatus.DECLINED
+    assert "forward never returns IntermediateTensors({...}) for non-last ranks" in dec.reason
+
+
+def test_an_aliased_mixin_is_not_added_twice() -> None:
+    """A decoder that already inherits vLLM's EagleModelMixin under another name keeps its bases and imports."""
+    code = _edit(("from .interfaces import SupportsPP\n", "from .interfaces import EagleModelMixin as Mixin, SupportsPP\n"),
+                 ("class ToyModel(nn.Module):\n", "class ToyModel(nn.Module, Mixin):\n"))
+    run = _run(code, RewriteDecodersCommand)
+    dec = _only(run)
+    assert dec.rewritten is not None
+    assert source_of(dec.rewritten).lstrip("\n").startswith("class ToyModel(nn.Module, Mixin):\n")
+    assert dec.imports == set()
