@@ -1,7 +1,7 @@
 """Read the shape of a vLLM-style decoder ``forward`` without running it.
 
 Used by ``AdaptVllmForwardCommand`` (the ``pipespec`` dialect); its matchers and name helpers
-(``self_attr``, ``names_in``, ``is_docstring``, ``own_scope``) also serve the ``vllm`` dialect's
+(``self_attr``, ``names_in``, ``is_docstring``) also serve the ``vllm`` dialect's
 ``vllm_native_shape`` and ``adapt_vllm_native``. A forward we can adapt has ONE top-level loop over this stage's
 layers, in one of these forms::
 
@@ -27,7 +27,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.helpers import parse_template_expression
 
-from pipespec.codemods.scope import own_scope  # the vllm_native_* modules import it from here too
+from pipespec.codemods.scope import own_scope
 
 
 def self_attr(name: str | None = None) -> m.Attribute:

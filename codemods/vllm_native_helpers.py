@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
-from pipespec.codemods.vllm_forward_shape import names_in, own_scope, self_attr
+from pipespec.codemods.scope import own_scope
+from pipespec.codemods.vllm_forward_shape import names_in, self_attr
 from pipespec.codemods.vllm_native_captures import is_aux_return_guard
 from pipespec.codemods.vllm_native_loop import (
     RANK,

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
+from pipespec.codemods.scope import own_scope
 from pipespec.codemods.vllm_forward_shape import (
     END,
     ENUMERATE,
     RANGE,
     STAGE_LAYERS,
     START,
-    own_scope,
     self_attr,
 )
 from pipespec.codemods.vllm_native_names import snippet_of

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 import libcst as cst
 import libcst.matchers as m
 
-from pipespec.codemods.vllm_forward_shape import names_in, own_scope, self_attr
+from pipespec.codemods.scope import own_scope
+from pipespec.codemods.vllm_forward_shape import names_in, self_attr
 from pipespec.codemods.vllm_native_captures import (
     aux_names,
     before_layer_captures,

@@ -15,8 +15,10 @@ import torch
 from torch.nn import functional as F
 
 from bench.demo_training.presets import Preset
-from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig
-from pipespec.engine.draft_checkpoint import TargetInfo, load_draft_checkpoint
+from pipespec.engine.draft.config import Eagle3DraftConfig
+from pipespec.engine.draft.model import Eagle3Draft
+from pipespec.engine.draft_checkpoint.info import TargetInfo
+from pipespec.engine.draft_checkpoint.load import load_draft_checkpoint
 
 EMBED = "embed_tokens."  # the target's embedding, shared with the draft: never trained, never saved here
 

@@ -35,7 +35,7 @@ from bench.demo_training.loop import (
     steps_record,
 )
 from bench.demo_training.presets import GenerationRecipe, Preset
-from pipespec.engine.draft import Eagle3Draft
+from pipespec.engine.draft.model import Eagle3Draft
 from pipespec.engine.reference import target_aux_states
 
 STEP_DECAY = 0.8  # TTT step i's loss weighs 0.8**i

@@ -20,8 +20,9 @@ from bench.demo_training.export import checkpoint_sizes, load_target
 from bench.demo_training.presets import Preset
 from bench.demo_training.record import finish, run_record
 from pipespec.bench.corpus import eval_prompts, load_corpus
-from pipespec.engine.draft import Eagle3Draft
-from pipespec.engine.draft_checkpoint import TargetInfo, load_draft_checkpoint
+from pipespec.engine.draft.model import Eagle3Draft
+from pipespec.engine.draft_checkpoint.info import TargetInfo
+from pipespec.engine.draft_checkpoint.load import load_draft_checkpoint
 from pipespec.engine.reference import reference_speculative_generate
 
 Log = Callable[[str], None]

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from pipespec.engine.draft import Eagle3Draft
-from pipespec.engine.draft_checkpoint import save_draft_checkpoint
+from pipespec.engine.draft.model import Eagle3Draft
+from pipespec.engine.draft_checkpoint.write import save_draft_checkpoint
 
 VERIFIER = "pipespec-demo-target"
 

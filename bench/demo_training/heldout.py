@@ -18,7 +18,7 @@ import torch
 
 from bench.demo_training.draft_model import ttt_logits
 from bench.demo_training.generations import aux_features, greedy_generations
-from pipespec.engine.draft import Eagle3Draft
+from pipespec.engine.draft.model import Eagle3Draft
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from bench.demo_training.presets import GenerationRecipe, Preset
 from bench.demo_training.record import finish, run_record
 from pipespec.bench.corpus import eval_prompts, generation_prompts, load_corpus
 from pipespec.contract.layout import eagle3_default_aux_ids
-from pipespec.engine.draft import Eagle3Draft
+from pipespec.engine.draft.model import Eagle3Draft
 from pipespec.errors import UsageError
 
 Log = Callable[[str], None]

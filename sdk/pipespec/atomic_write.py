@@ -1,7 +1,7 @@
 """Writing a file whole or not at all: a temp file in the same directory, then ``os.replace``.
 
 A failure leaves the original byte-identical, and readers see the old file or the new one. Used by
-``adapter-gen`` and the zoo reports (``pipespec.codegen.write``) and by the vLLM integration's cache of
+``adapter-gen``, the zoo reports and the scaffold, and by the vLLM integration's cache of
 adapted modules; standard library only, imports nothing of pipespec but its errors.
 """
 

@@ -488,10 +488,11 @@ def project_70b(ks: Sequence[int], cs: Sequence[int], command: str, *, device: s
     import torch
     from transformers import LlamaConfig, LlamaModel
 
-    from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig
+    from pipespec.engine.draft.config import Eagle3DraftConfig
+    from pipespec.engine.draft.model import Eagle3Draft
 
     if device == "cuda":
-        from pipespec.engine.worker import configure_cuda_attention
+        from pipespec.engine.stage.settings import configure_cuda_attention
 
         configure_cuda_attention()  # as the engine runs: no cuDNN attention plan per new key length
     dev_t = torch.device(device, 0) if device == "cuda" else torch.device(device)

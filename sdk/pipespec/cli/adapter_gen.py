@@ -104,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------ adapt
 def _run_adapt(args: argparse.Namespace) -> int:
-    from pipespec import codegen
+    from pipespec.atomic_write import write_atomic
+    from pipespec.codegen.decide import resolve_spec
+    from pipespec.codegen.transform import adapt_target
+    from pipespec.codegen.write import unified_diff
 
     modes = [f for f, on in (("--diff", args.diff), ("--in-place", args.in_place), ("--check", args.check)) if on]
     if len(modes) > 1:
@@ -119,7 +122,7 @@ def _run_adapt(args: argparse.Namespace) -> int:
         parent = Path(args.out).parent
         if not parent.is_dir():
             raise UsageError(f"--out {args.out}: directory {parent} does not exist; create it or choose another --out path")
-    spec = codegen.resolve_spec(target, dialect, args.spec)
+    spec = resolve_spec(target, dialect, args.spec)
     if spec is not None and spec.residual_rule is not None and args.residual_rule not in (None, spec.residual_rule):
         raise UsageError(f"--residual-rule {args.residual_rule} contradicts spec {spec.name} ({spec.source}): "
                          f"model.residual_rule = {spec.residual_rule!r}; drop one of the two")
@@ -127,8 +130,8 @@ def _run_adapt(args: argparse.Namespace) -> int:
         print(f"{PROG}: warning: spec {spec.name} ({spec.source}) is for the {spec.dialect} dialect; "
               f"the source is adapted as {dialect}", file=sys.stderr)
     write_to = Path(args.out) if args.out else (target.path if args.in_place else None)
-    outcome = codegen.adapt_target(target, dialect, spec, regenerate=_regenerate_command(args, target),
-                                   out=Path(args.out) if args.out else None, residual_rule=args.residual_rule)
+    outcome = adapt_target(target, dialect, spec, regenerate=_regenerate_command(args, target),
+                           out=Path(args.out) if args.out else None, residual_rule=args.residual_rule)
     for warning in outcome.warnings:
         print(f"{PROG}: warning: {target.label}: {warning}", file=sys.stderr)
 
@@ -142,10 +145,10 @@ def _run_adapt(args: argparse.Namespace) -> int:
         if write_to is None or write_to == target.path:
             return 0
     if write_to is None:
-        sys.stdout.write(codegen.unified_diff(target.code, outcome.code, f"a/{target.label.split(' ')[0]}",
-                                              f"b/{target.label.split(' ')[0]}"))
+        sys.stdout.write(unified_diff(target.code, outcome.code, f"a/{target.label.split(' ')[0]}",
+                                      f"b/{target.label.split(' ')[0]}"))
         return 0
-    codegen.write_atomic(write_to, outcome.code)
+    write_atomic(write_to, outcome.code)
     what = target.class_name or ", ".join(d.class_name for d in outcome.decoders if d.status == "adapted")
     print(f"{PROG}: wrote {write_to} ({what}, {outcome.dialect} dialect, spec {outcome.spec_label})", file=sys.stderr)
     return 0
@@ -153,7 +156,8 @@ def _run_adapt(args: argparse.Namespace) -> int:
 
 def _target_and_dialect(args: argparse.Namespace) -> tuple[Target, str]:
     """The source to adapt (FILE, or ``--hf MODEL_TYPE``'s installed module) and its dialect."""
-    from pipespec import codegen
+    from pipespec.codegen.decide import detect_module_dialect
+    from pipespec.codegen.source import load_hf_target, load_target
 
     if args.hf is not None:
         if args.target:
@@ -162,13 +166,13 @@ def _target_and_dialect(args: argparse.Namespace) -> tuple[Target, str]:
             raise UsageError("--in-place with --hf would rewrite the installed transformers: use --out FILE")
         if args.dialect in ("vllm", "pipespec"):
             raise UsageError(f"--dialect {args.dialect} with --hf: installed transformers modules are the hf dialect")
-        return codegen.load_hf_target(args.hf, args.class_name), "hf"
+        return load_hf_target(args.hf, args.class_name), "hf"
     if not args.target:
         raise UsageError("no source file: give FILE --class NAME, --hf MODEL_TYPE, or `new MODEL_TYPE` (see --help)")
     if len(args.target) > 1:
         raise UsageError(f"one source file at a time, got {len(args.target)}: {' '.join(args.target)}")
-    target = codegen.load_target(args.target[0], args.class_name)
-    dialect = args.dialect or codegen.detect_module_dialect(target.module)
+    target = load_target(args.target[0], args.class_name)
+    dialect = args.dialect or detect_module_dialect(target.module)
     if target.class_name is None and dialect != "vllm":
         raise UsageError(f"{args.target[0]}: --class NAME is required for the {dialect} dialect "
                          "(the decoder-stack class to adapt)")
@@ -177,12 +181,13 @@ def _target_and_dialect(args: argparse.Namespace) -> tuple[Target, str]:
 
 def _check(args: argparse.Namespace, target: Target, outcome: Outcome) -> int:
     """``--check``: is FILE adapted (no ``--out``), or is OUT what regenerating would write?"""
-    from pipespec import codegen
+    from pipespec.codegen.source import read_text
+    from pipespec.codegen.write import unified_diff
 
     if args.out is None:
         if outcome.status == "unchanged":
             return 0
-        sys.stdout.write(codegen.unified_diff(target.code, outcome.code, f"a/{target.label}", f"b/{target.label}"))
+        sys.stdout.write(unified_diff(target.code, outcome.code, f"a/{target.label}", f"b/{target.label}"))
         print(f"{PROG}: {target.label}: {target.class_name or 'its PP decoders'} not adapted; run "
               f"`{_regenerate_command(args, target, '--in-place')}`", file=sys.stderr)
         return 1
@@ -190,10 +195,10 @@ def _check(args: argparse.Namespace, target: Target, outcome: Outcome) -> int:
     if not out.exists():
         print(f"{PROG}: {args.out} does not exist; create it with `{_regenerate_command(args, target)}`", file=sys.stderr)
         return 1
-    current = codegen.read_text(out, "--out file")
+    current = read_text(out, "--out file")
     if current == outcome.code:
         return 0
-    sys.stdout.write(codegen.unified_diff(current, outcome.code, f"a/{args.out}", f"b/{args.out} (regenerated)"))
+    sys.stdout.write(unified_diff(current, outcome.code, f"a/{args.out}", f"b/{args.out} (regenerated)"))
     print(f"{PROG}: {args.out} is not up to date with {target.label}; regenerate it with `{_regenerate_command(args, target)}`",
           file=sys.stderr)
     return 1
@@ -201,7 +206,7 @@ def _check(args: argparse.Namespace, target: Target, outcome: Outcome) -> int:
 
 def _regenerate_command(args: argparse.Namespace, target: Target, mode: str | None = None) -> str:
     """The command line that reproduces this output, written into the header (stable across cwd)."""
-    from pipespec import codegen
+    from pipespec.codegen.source import project_label
 
     words = ["adapter-gen"]
     if args.hf is not None:
@@ -213,13 +218,13 @@ def _regenerate_command(args: argparse.Namespace, target: Target, mode: str | No
     if args.dialect and args.hf is None:
         words += ["--dialect", args.dialect]
     if args.spec:
-        words += ["--spec", codegen.project_label(Path(args.spec))]
+        words += ["--spec", project_label(Path(args.spec))]
     if args.residual_rule:
         words += ["--residual-rule", args.residual_rule]
     if mode is not None:
         words.append(mode)
     elif args.out is not None:
-        words += ["--out", codegen.project_label(Path(args.out))]
+        words += ["--out", project_label(Path(args.out))]
     else:
         words.append("--in-place" if args.hf is None else "--out FILE")
     return " ".join(shlex.quote(w) if w != "--out FILE" else w for w in words)
@@ -227,7 +232,7 @@ def _regenerate_command(args: argparse.Namespace, target: Target, mode: str | No
 
 # ------------------------------------------------------------------------------------ new
 def _run_new(args: argparse.Namespace) -> int:
-    from pipespec import codegen
+    from pipespec.codegen.scaffold import scaffold_adapter
 
     for flag, value in (("--class", args.class_name), ("--hf", args.hf), ("--dialect", args.dialect),
                         ("--spec", args.spec), ("--residual-rule", args.residual_rule), ("--out", args.out), ("--diff", args.diff),
@@ -236,7 +241,7 @@ def _run_new(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag} does not apply to `adapter-gen new MODEL_TYPE` (it takes --out-dir DIR and --force)")
     if len(args.target) != 2:
         raise UsageError("`adapter-gen new` takes exactly one MODEL_TYPE, e.g. `adapter-gen new olmo2`")
-    result = codegen.scaffold_adapter(args.target[1], Path(args.out_dir or "."), force=args.force)
+    result = scaffold_adapter(args.target[1], Path(args.out_dir or "."), force=args.force)
     for warning in result.warnings:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
     for path in result.written:

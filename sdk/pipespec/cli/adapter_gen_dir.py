@@ -45,18 +45,19 @@ def python_files(directory: Path) -> list[Path]:
 
 def adapt_directory(directory: Path, residual_rule: str | None) -> list[FileResult]:
     """Every ``*.py`` of ``directory`` through the vllm dialect (files with no PP decoder come back as is)."""
-    from pipespec import codegen
+    from pipespec.codegen.source import load_target
+    from pipespec.codegen.transform import adapt_target
     from pipespec.codemods.vllm_native_names import PP_DECODER
 
     results = []
     for path in python_files(directory):
-        target = codegen.load_target(path, None)
+        target = load_target(path, None)
         relative = path.relative_to(directory)
         if "intermediate_tensors" not in target.code:  # no forward can take it (the codemod's own shortcut)
             results.append(FileResult(path, relative, target.label, target.code, target.code, "no decoder", PP_DECODER))
             continue
         try:
-            outcome = codegen.adapt_target(target, "vllm", None, residual_rule=residual_rule)
+            outcome = adapt_target(target, "vllm", None, residual_rule=residual_rule)
         except UsageError as exc:
             if "no PP decoder here" not in str(exc):
                 raise
@@ -70,7 +71,8 @@ def adapt_directory(directory: Path, residual_rule: str | None) -> list[FileResu
 
 def run_dir(args: argparse.Namespace) -> int:
     """The ``adapter-gen DIR`` command (flags as parsed by ``adapter_gen.add_arguments``)."""
-    from pipespec import codegen
+    from pipespec.atomic_write import write_atomic
+    from pipespec.codegen.write import unified_diff
 
     directory = Path(args.target[0])
     for flag, value, why in (("--class", args.class_name, "a class is one file's"),
@@ -103,7 +105,7 @@ def run_dir(args: argparse.Namespace) -> int:
     if out is None and not args.in_place:
         for r in results:
             if r.new_code != r.code:
-                sys.stdout.write(codegen.unified_diff(r.code, r.new_code, f"a/{r.label}", f"b/{r.label}"))
+                sys.stdout.write(unified_diff(r.code, r.new_code, f"a/{r.label}", f"b/{r.label}"))
         return failed
     writes = [(out / r.relative if out is not None else r.path, r.new_code) for r in results
               if out is not None or r.new_code != r.code]
@@ -111,7 +113,7 @@ def run_dir(args: argparse.Namespace) -> int:
         out.mkdir(exist_ok=True)
     for path, text in writes:
         path.parent.mkdir(parents=True, exist_ok=True)
-        codegen.write_atomic(path, text)
+        write_atomic(path, text)
     adapted = [r.label for r in results if r.status == "adapted"]
     where = out if out is not None else directory
     print(f"{PROG}: wrote {len(writes)} file(s) under {where} ({len(adapted)} adapted: {', '.join(adapted) or 'none'})",
@@ -131,7 +133,7 @@ def _check_out(directory: Path, out: Path, creating: bool) -> None:
 
 def _check(results: list[FileResult], directory: Path, out: Path | None) -> int:
     """``--check``: DIR's files adapted already (no ``--out``), or DIR2 what regenerating would write."""
-    from pipespec import codegen
+    from pipespec.codegen.write import unified_diff
 
     stale = 0
     for r in results:
@@ -143,7 +145,7 @@ def _check(results: list[FileResult], directory: Path, out: Path | None) -> int:
             shown = str(copy)
         if current != r.new_code and not (out is None and r.status == "skipped"):
             stale += 1
-            sys.stdout.write(codegen.unified_diff(current, r.new_code, f"a/{shown}", f"b/{shown} (regenerated)"))
+            sys.stdout.write(unified_diff(current, r.new_code, f"a/{shown}", f"b/{shown} (regenerated)"))
     if stale:
         again = f"adapter-gen {directory} --dialect vllm " + (f"--out {out}" if out is not None else "--in-place")
         print(f"{PROG}: {stale} file(s) under {out or directory} not up to date; regenerate with `{again}`",

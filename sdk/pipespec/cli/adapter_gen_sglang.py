@@ -23,9 +23,10 @@ def run_sglang(args: argparse.Namespace) -> int:
     """One SGLang model file through the sglang dialect, written per the mode flags."""
     from libcst import ParserSyntaxError
 
+    from pipespec.atomic_write import write_atomic
     from pipespec.codegen.source import read_text
-    from pipespec.codegen.write import write_atomic
-    from pipespec.codemods.adapt_sglang import SglangStatus, adapt_sglang_module
+    from pipespec.codemods.adapt_sglang import adapt_sglang_module
+    from pipespec.codemods.sglang_outcome import SglangStatus
 
     for flag, value in (("--hf", args.hf), ("--spec", args.spec), ("--residual-rule", args.residual_rule)):
         if value is not None:
@@ -65,7 +66,7 @@ def run_sglang(args: argparse.Namespace) -> int:
         return 1
     write_to = Path(args.out) if args.out else (path if args.in_place else None)
     if write_to is None:
-        from pipespec.codegen import unified_diff
+        from pipespec.codegen.write import unified_diff
 
         sys.stdout.write(unified_diff(code, result.code, f"a/{path.name}", f"b/{path.name}"))
         return 0
@@ -78,8 +79,8 @@ def run_sglang(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace, path: Path, code: str, adapted: str) -> int:
-    from pipespec.codegen import unified_diff
     from pipespec.codegen.source import read_text
+    from pipespec.codegen.write import unified_diff
 
     current = code if args.out is None else (read_text(Path(args.out), "--out file") if Path(args.out).exists() else None)
     if current is None:

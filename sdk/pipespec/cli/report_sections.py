@@ -8,7 +8,7 @@ release from the source zoo (``--source V``). Each writer replaces only its own 
     <!-- /pipespec-section vllm-source 0.34.0 -->
 
 A section not yet in the file is appended at its end; text outside the sections is kept byte for byte.
-The file is written atomically (``pipespec.codegen.write.write_atomic``); broken markers (a section opened
+The file is written atomically (``pipespec.atomic_write.write_atomic``); broken markers (a section opened
 twice or never closed) are one ``UsageError`` before anything is written.
 """
 

@@ -1,16 +1,14 @@
-"""``adapter-gen``'s (and the zoo reports') output: a unified diff, or a file written atomically.
+"""``adapter-gen``'s diff output: ``unified_diff``, what ``--diff`` and ``--check`` print.
 
-``write_atomic`` (``pipespec.atomic_write``, below every layer that writes files) writes a temp file in
-the same directory, then ``os.replace``: a failure leaves the original byte-identical.
+Files are written with ``pipespec.atomic_write.write_atomic`` (below every layer that writes files): a temp
+file in the same directory, then ``os.replace``, so a failure leaves the original byte-identical.
 """
 
 from __future__ import annotations
 
 import difflib
 
-from pipespec.atomic_write import write_atomic
-
-__all__ = ["unified_diff", "write_atomic"]
+__all__ = ["unified_diff"]
 
 
 def unified_diff(old: str, new: str, old_label: str, new_label: str) -> str:

@@ -7,7 +7,7 @@ plain way), ``rotary`` (rotary factors and the draft's rotary tables), ``counts`
 ``extend``, the engine's calls). This package imports torch and transformers' Llama pieces only; it must
 not import the engine's loop (worker, row batches), ``pipespec.pp`` or vllm.
 
-API (stable; the engine codes against it)::
+API (stable; for users of the package: pipespec's own modules import each name from its defining module)::
 
     from pipespec.engine.draft import Eagle3Draft, Eagle3DraftConfig, DraftKVCache
     from pipespec.engine.draft_checkpoint import inspect_draft_checkpoint, load_draft_checkpoint, TargetInfo

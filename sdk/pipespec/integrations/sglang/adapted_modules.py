@@ -20,7 +20,8 @@ import types
 from dataclasses import dataclass
 from functools import cache
 
-from pipespec.codemods.adapt_sglang import SglangAdaptResult, SglangStatus, adapt_sglang_module
+from pipespec.codemods.adapt_sglang import SglangAdaptResult, adapt_sglang_module
+from pipespec.codemods.sglang_outcome import SglangStatus
 from pipespec.contract.names import AUX_OVER_PP_FLAG
 
 #: The package adapted modules live under (in ``sys.modules`` only; nothing is written to disk).
