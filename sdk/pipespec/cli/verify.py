@@ -26,6 +26,7 @@ from pipespec.cli.args import add_layout_arguments, layout_from_args
 from pipespec.contract.registry import default_registry
 from pipespec.contract.verify import METHODS, verify_supports_aux_hidden_states_over_pp
 from pipespec.errors import UnsupportedModelError, UsageError
+from pipespec.integrations.verdict import Verdict
 
 HELP = "check that an architecture or class supports aux hidden states over PP for a layout"
 ENGINES = ("transformers", "vllm", "sglang")
@@ -74,7 +75,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     else:
         spec = f" (spec: {decision.spec})" if decision.spec else ""
         print(f"{decision.architecture}: {decision.decision}{spec}: {decision.reason}")
-    return 2 if decision.decision == "refuse" else 0
+    return 2 if decision.decision is Verdict.REFUSE else 0
 
 
 def run_sglang(args: argparse.Namespace) -> int:
@@ -93,7 +94,7 @@ def run_sglang(args: argparse.Namespace) -> int:
     else:
         spec = f" (spec: {decision.spec})" if decision.spec else ""
         print(f"{decision.architecture}: {decision.decision}{spec}: {decision.reason}")
-    return 2 if decision.decision == "refuse" else 0
+    return 2 if decision.decision is Verdict.REFUSE else 0
 
 
 def import_class(path: str) -> type:

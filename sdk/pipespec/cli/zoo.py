@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipespec.cli.args import int_list, positive_int
+from pipespec.str_enum import StrEnum
 
 HELP = "verify adaptation over every causal-LM type of the installed transformers (or vLLM: --engine vllm)"
 ENGINES = ("transformers", "vllm", "sglang")
@@ -89,8 +90,10 @@ def run_facts(load: float) -> dict[str, Any]:
     return {"date": datetime.date.today().isoformat(), "load": load, "cpus": os.cpu_count()}
 
 
-def finish(args: argparse.Namespace, results: Sequence[Any], table: str, markdown: Callable[[], str]) -> int:
-    """Print ``--json`` or the table, write ``--write-coverage`` (atomically), and exit 1 when any result failed.
+def finish(args: argparse.Namespace, results: Sequence[Any], table: str, markdown: Callable[[], str], *,
+           failed: StrEnum) -> int:
+    """Print ``--json`` or the table, write ``--write-coverage`` (atomically), and exit 1 when any result's
+    status is ``failed`` (the engine's zoo status member: ``ZooStatus.FAILED``, ``VllmZooStatus.FAILED``).
 
     The vLLM zoo's report is one section (``VLLM_SECTION``) of a file it shares with the source zoo's
     per-release tables (``pipespec.cli.report_sections``), replaced alone; the transformers zoo's is the
@@ -110,4 +113,4 @@ def finish(args: argparse.Namespace, results: Sequence[Any], table: str, markdow
 
             write_atomic(args.write_coverage, markdown())
         print(f"wrote {args.write_coverage}", file=sys.stderr)
-    return 1 if any(r.status == "failed" for r in results) else 0
+    return 1 if any(r.status is failed for r in results) else 0

@@ -29,6 +29,7 @@ def run_transformers(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
+    from pipespec.integrations.transformers.zoo.check import ZooStatus
     from pipespec.integrations.transformers.zoo.compare import REL_TOL
     from pipespec.integrations.transformers.zoo.report import coverage_markdown, format_table
     from pipespec.integrations.transformers.zoo.runner import run_zoo
@@ -49,7 +50,8 @@ def run_transformers(args: argparse.Namespace) -> int:
         }
         return coverage_markdown(results, meta)
 
-    return finish(args, results, f"{format_table(results)}\n{wall:.1f} s wall, {cpu:.1f} s CPU", markdown)
+    return finish(args, results, f"{format_table(results)}\n{wall:.1f} s wall, {cpu:.1f} s CPU", markdown,
+                  failed=ZooStatus.FAILED)
 
 
 def _model_types(text: str | None) -> list[str] | None:

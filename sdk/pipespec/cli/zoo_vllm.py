@@ -29,7 +29,12 @@ def run_vllm(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
-    from pipespec.integrations.vllm.zoo import coverage_markdown, inherited_flag_verdicts, run_vllm_zoo
+    from pipespec.integrations.vllm.zoo import (
+        VllmZooStatus,
+        coverage_markdown,
+        inherited_flag_verdicts,
+        run_vllm_zoo,
+    )
 
     load = load_average()
     progress = _VllmProgress(len(files))
@@ -51,7 +56,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         }
         return coverage_markdown(results, verdicts, meta)
 
-    return finish(args, results, f"{_vllm_table(results)}\n{wall:.1f} s wall", markdown)
+    return finish(args, results, f"{_vllm_table(results)}\n{wall:.1f} s wall", markdown, failed=VllmZooStatus.FAILED)
 
 
 def _require_vllm() -> str:
