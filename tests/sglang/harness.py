@@ -25,6 +25,7 @@ ENGINE_TIMEOUT_S = 480
 #: (2, N // 2, N - 3) = (2, 1, 0) include id 0 and both stage boundaries of PP = 2 and 3).
 TINY: dict[str, dict[str, object]] = {
     "llama": {},
+    "qwen3": {},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
                   "mlp_only_layers": []},
 }
