@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipespec.codegen.sglang_source_zoo import SourceZoo, run_sglang_source_zoo
-from pipespec.codegen.vllm_source_zoo import Status
+from pipespec.codegen.source_zoo import Status
 from pipespec.integrations.sglang.sources import source_tree
 
 RELEASE = "0.5.23"

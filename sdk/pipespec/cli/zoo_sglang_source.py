@@ -17,7 +17,7 @@ from pipespec.cli.report_sections import check_section, write_section
 from pipespec.cli.zoo import load_average, run_facts
 from pipespec.cli.zoo_vllm_source import STATUSES, summary
 from pipespec.codegen.sglang_source_zoo import release_of, run_sglang_source_zoo, select_files
-from pipespec.codegen.vllm_source_zoo import SourceZoo
+from pipespec.codegen.source_zoo import SourceZoo
 from pipespec.errors import UsageError
 from pipespec.integrations.sglang.sources import source_tree
 

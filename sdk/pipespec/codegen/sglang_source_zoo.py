@@ -9,13 +9,12 @@ pipeline layer loop in its ``forward`` (``adapt_sglang_module``'s decoders), plu
 * a file with a loop over its stage's layers outside any ``forward`` and no decoder (a structural decline
   naming the method and line), so every file with a PP layer loop is accounted for.
 
-Statuses are the vLLM source zoo's (``Status``): **adapted** (the output compiles, the decoder sets the flag
-on itself, seeds from the hand-off and adds its keys to it, imports nothing from pipespec, and the codemod
-on its own output changes nothing and calls it unchanged), **unchanged**, **declined** (construct and line),
-**crashed** (the codemod raised, or an adapted output failed a check). SGLang 0.5.23 relays aux states over
-PP for no model, so nothing is **supported**. Rows and statuses are the vLLM source zoo's types
-(``SourceRow``, ``SourceZoo``, ``Status``); the run over files is ``source_zoo_run.run_files``. Nothing here
-imports SGLang, torch, or the code it reads.
+Statuses (``Status``): **adapted** (the output compiles, the decoder sets the flag on itself, seeds from the
+hand-off and adds its keys to it, imports nothing from pipespec, and the codemod on its own output changes
+nothing and calls it unchanged), **unchanged**, **declined** (construct and line), **crashed** (the codemod
+raised, or an adapted output failed a check). SGLang 0.5.23 relays aux states over PP for no model, so
+nothing is **supported**. Rows, statuses, report and the run over files are ``pipespec.codegen.source_zoo``'s,
+shared with the vLLM source zoo. Nothing here imports SGLang, torch, or the code it reads.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipespec.codegen.source_zoo_run import run_files
-from pipespec.codegen.vllm_source_zoo import SourceRow, SourceZoo, Status, _one_line
+from pipespec.codegen.source_zoo import SourceRow, SourceZoo, Status, one_line, run_files
 from pipespec.codemods.adapt_sglang import SglangAdaptResult, SglangStatus, adapt_sglang_module
 from pipespec.codemods.sglang_forward import IDS_VAR
 from pipespec.contract.names import AUX_KEY_PREFIX, AUX_OVER_PP_FLAG
@@ -87,7 +85,7 @@ def survey_file(path: Path, tree: Path) -> list[SourceRow]:
     try:
         result = adapt_sglang_module(code, label=rel)
     except Exception as exc:  # one line, and the run goes on
-        return [SourceRow(rel, "", Status.CRASHED, f"the codemod raised {_one_line(exc)}", "crashed")]
+        return [SourceRow(rel, "", Status.CRASHED, f"the codemod raised {one_line(exc)}", "crashed")]
     problems = output_problems(result) if result.changed else {}
     rows = []
     for o in result.decoders:
@@ -156,7 +154,7 @@ def output_problems(result: SglangAdaptResult) -> dict[str, str]:
     try:
         again = adapt_sglang_module(result.code, label=result.label)
     except Exception as exc:
-        return dict.fromkeys(adapted, f"the codemod on its own output raised {_one_line(exc)}")
+        return dict.fromkeys(adapted, f"the codemod on its own output raised {one_line(exc)}")
     if again.code != result.code or any(o.status is not SglangStatus.UNCHANGED for o in again.decoders):
         return dict.fromkeys(adapted, "not idempotent: the codemod on its own output changes it or does not call it unchanged")
     classes = {c.name: c for c in module.body if isinstance(c, ast.ClassDef)}

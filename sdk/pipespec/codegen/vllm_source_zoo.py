@@ -22,88 +22,28 @@ except a drafter's MTP block (its forward takes ``spec_step_idx``). Each row has
   (the codemod on its own output changes nothing and calls the decoder ``unchanged``).
 
 Sibling modules are read from the tree itself (the codemod's reader gets each file's real path), never
-from an installed vLLM. Nothing here imports vLLM, torch, or the code it reads.
+from an installed vLLM. The rows, statuses and the run over files are the source zoos' shared ones
+(``pipespec.codegen.source_zoo``). Nothing here imports vLLM, torch, or the code it reads.
 """
 
 from __future__ import annotations
 
 import ast
-import multiprocessing
 import re
 import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipespec.codegen.source_zoo import READY, SourceRow, SourceZoo, Status, one_line, run_files
 from pipespec.codemods.adapt_vllm_native import DecoderOutcome, adapt_vllm_module
 from pipespec.codemods.vllm_native_index import default_reader
 from pipespec.contract.names import AUX_OVER_PP_FLAG, VLLM_AUX_CALLS, VLLM_EAGLE3_INTERFACE, VLLM_EAGLE_MIXIN
 from pipespec.errors import UsageError
 from pipespec.integrations.vllm.readiness import judge_decoder_source
 from pipespec.integrations.vllm.sources import MODELS, source_tree
-from pipespec.str_enum import StrEnum
 
 MODEL_DIRS = (MODELS, Path("models"))
-
-
-class Status(StrEnum):
-    """A decoder's outcome, from best to worst for a user of that release."""
-
-    UNCHANGED = "unchanged"
-    SUPPORTED = "supported"
-    ADAPTED = "adapted"
-    DECLINED = "declined"
-    CRASHED = "crashed"
-
-
-#: The statuses under which a decoder runs EAGLE3 over PP: as released, or adapted by the codemod.
-READY = (Status.UNCHANGED, Status.SUPPORTED, Status.ADAPTED)
-
-
-@dataclass(frozen=True)
-class SourceRow:
-    """One decoder: DESIGN.md's ``{"file", "class", "status", "reason"}`` plus what the codemod said."""
-
-    file: str  # relative to the vllm package: model_executor/models/llama.py
-    class_name: str
-    status: Status
-    reason: str
-    codemod: str  # the codemod's own status: adapted | unchanged | declined | unseen | crashed
-    causal_lm: tuple[str, ...] = ()
-    line: int = 0  # the class's line in the released file
-
-    def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "class": self.class_name, "status": self.status.value, "reason": self.reason,
-                "codemod": self.codemod, "causal_lm": list(self.causal_lm), "line": self.line}
-
-
-@dataclass(frozen=True)
-class SourceZoo:
-    """A tree's rows in file order, and how the run went."""
-
-    tree: Path  # the vllm package directory
-    release: str  # the tree's vLLM version (vllm/_version.py), or its path when it has none
-    rows: tuple[SourceRow, ...]
-    files_read: int  # model files read (those never mentioning intermediate_tensors are not parsed)
-    wall_s: float = 0.0
-    jobs: int = 1
-    counts: Counter[str] = field(default_factory=Counter)
-
-    def __post_init__(self) -> None:
-        self.counts.update(r.status.value for r in self.rows)
-
-    def files(self) -> list[str]:
-        """The files with a PP hand-off (one or more rows), in order."""
-        return list(dict.fromkeys(r.file for r in self.rows))
-
-    def ready_files(self) -> list[str]:
-        """Files whose every decoder is unchanged, supported or adapted."""
-        return [f for f in self.files() if all(r.status in READY for r in self.rows if r.file == f)]
-
-    def crashed(self) -> list[SourceRow]:
-        return [r for r in self.rows if r.status is Status.CRASHED]
 
 
 # ----------------------------------------------------------------------------------------- the tree
@@ -183,7 +123,7 @@ def survey_file(path: Path, tree: Path) -> list[SourceRow]:
         outcomes, adapted_code = (), code
     except Exception as exc:  # one line, and the run goes on
         names = [c.name for c in handoff] or [""]
-        return [SourceRow(rel, n, Status.CRASHED, f"the codemod raised {_one_line(exc)}", "crashed",
+        return [SourceRow(rel, n, Status.CRASHED, f"the codemod raised {one_line(exc)}", "crashed",
                           line=classes[n].lineno if n in classes else 0) for n in names]
     problems = output_problems(adapted_code, outcomes, label, reader) if adapted_code != code else {}
     rows = []
@@ -234,7 +174,7 @@ def _verdict(path: Path, tree: Path, name: str) -> tuple[bool, str] | str:
     try:
         judgement = judge_decoder_source(path, name, package_root=tree)
     except Exception as exc:  # one line, and the run goes on
-        return f"the support verdict raised {_one_line(exc)}"
+        return f"the support verdict raised {one_line(exc)}"
     return judgement.supported, judgement.reason.replace(str(tree.parent) + "/", "")
 
 
@@ -273,7 +213,7 @@ def _not_idempotent(code: str, adapted: Sequence[DecoderOutcome], label: str, re
     try:
         again = adapt_vllm_module(code, label=label, read_module=reader)
     except Exception as exc:
-        return f"the codemod on its own output raised {_one_line(exc)}"
+        return f"the codemod on its own output raised {one_line(exc)}"
     if again.code != code:
         return "not idempotent: the codemod on its own output changes it again"
     status = {d.class_name: d.status for d in again.decoders}
@@ -333,11 +273,6 @@ def _called_name(call: ast.Call) -> str:
     return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
-
-
 # ------------------------------------------------------------------------------------- the run
 def _survey_job(job: tuple[str, str]) -> list[SourceRow]:
     return survey_file(Path(job[0]), Path(job[1]))
@@ -356,13 +291,7 @@ def run_source_zoo(tree_or_version: str | Path, files: Sequence[str] | None = No
     tree = source_tree(str(tree_or_version))
     paths = select_files(tree, files)
     started = time.perf_counter()
-    work = [(str(p), str(tree)) for p in paths]
-    if jobs > 1 and len(work) > 1:
-        with multiprocessing.get_context("spawn").Pool(min(jobs, len(work))) as pool:
-            per_file = pool.map(_survey_job, work, chunksize=1)
-    else:
-        per_file = [_survey_job(w) for w in work]
-    rows = tuple(r for file_rows in per_file for r in file_rows)
+    rows = run_files(_survey_job, [(str(p), str(tree)) for p in paths], jobs)
     return SourceZoo(tree, release_of(tree), rows, len(paths), time.perf_counter() - started, jobs)
 
 
