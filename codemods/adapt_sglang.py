@@ -7,7 +7,8 @@
    its own to the ``PPProxyTensors`` a non-last rank returns; the last rank's list (or packed buffer)
    reaches the logits processor as before.
 2. ``CaptureOnEveryRankCommand`` (``sglang_setter``): ``set_eagle3_layers_to_capture`` (and the DFlash
-   setter) stop returning early off the last rank. It runs only when no decoder of the file was
+   setter) stop returning early off the last rank, and ``capture_aux_hidden_states`` stays a last-rank
+   fact (also in a setter that never had the guard). It runs only when no decoder of the file was
    declined: a non-last rank that learns its ids but cannot send them would
    hand the last rank fewer states, where SGLang today fails loudly.
 

@@ -25,10 +25,17 @@ After::
         # pipespec: every rank captures; only the last returns aux states to the logits processor
         self.capture_aux_hidden_states = self.pp_group.is_last_rank
 
+A setter without the guard that sets ``self.capture_aux_hidden_states = True`` (qwen2_5_vl's, gemma4_mm's:
+already every rank learns its ids) would make a non-last rank unpack the ``PPProxyTensors`` its decoder returns
+as ``(hidden, aux)``; it gets the same last line, when its class (or a base class in the file) holds
+``self.pp_group``. Left alone and reported (``skipped``): a setter with another ``return``, one that decides on
+the pipeline itself (``if self.pp_group.world_size > 1: raise ...``, qwen3_5_text's DFlash setter), one whose
+class has no ``self.pp_group``.
+
 ``id_conventions`` reads, from the same methods, how given ids become capture points (SGLang captures
 id i at layer i's entry: pipespec's input-index id i), e.g. llama's ``val + 1``, deepseek_v2's ``+ 1``
-only when the first id is 1. A setter with another ``return`` is left alone and reported. Idempotent:
-a setter without the guard is not touched. Parses source only.
+only when the first id is 1. Idempotent: a setter that already ends with the last-rank line is not touched.
+Parses source only.
 """
 
 from __future__ import annotations
@@ -45,6 +52,10 @@ EARLY_RETURN = m.If(test=m.UnaryOperation(operator=m.Not(), expression=LAST_RANK
                     body=m.IndentedBlock(body=[m.SimpleStatementLine(body=[m.Return(value=None)])]), orelse=None)
 CAPTURE_FLAG = m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self"),
                                                             attr=m.Name("capture_aux_hidden_states")))])
+CAPTURE_ON = m.Assign(targets=CAPTURE_FLAG.targets, value=m.Name("True"))
+CAPTURE_LAST_RANK = m.SimpleStatementLine(body=[m.Assign(targets=CAPTURE_FLAG.targets, value=LAST_RANK)])
+PP_GROUP = m.Attribute(value=m.Name("self"), attr=m.Name("pp_group"))
+HOLDS_PP_GROUP = m.Assign(targets=[m.AssignTarget(PP_GROUP)])
 DOCSTRING = m.SimpleStatementLine(body=[m.Expr(m.SimpleString() | m.ConcatenatedString())])
 
 
@@ -68,6 +79,23 @@ class CaptureOnEveryRankCommand(VisitorBasedCodemodCommand):
         self.adapted: list[str] = []
         self.skipped: list[str] = []
         self._class: list[str] = []
+        self._module: cst.Module | None = None
+        #: class -> (its base names, whether it assigns ``self.pp_group``), read from the file when first asked.
+        self._classes: dict[str, tuple[list[str], bool]] | None = None
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self._module = node
+
+    def _holds_pp_group(self, name: str, seen: frozenset[str] = frozenset()) -> bool:
+        """Whether class ``name`` or a base class of it defined in this file assigns ``self.pp_group``."""
+        if self._classes is None:
+            self._classes = {}
+            for cls in m.findall(self._module, m.ClassDef()) if self._module is not None else ():
+                klass = cst.ensure_type(cls, cst.ClassDef)
+                bases = [b.value.value for b in klass.bases if isinstance(b.value, cst.Name)]
+                self._classes[klass.name.value] = (bases, bool(m.findall(klass, HOLDS_PP_GROUP)))
+        bases, holds = self._classes.get(name, ([], False))
+        return holds or any(self._holds_pp_group(b, seen | {name}) for b in bases if b not in seen)
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self._class.append(node.name.value)
@@ -83,8 +111,10 @@ class CaptureOnEveryRankCommand(VisitorBasedCodemodCommand):
         where = f"{self._class[-1]}.{name}"
         body = _body(updated_node)
         first = 1 if body and m.matches(body[0], DOCSTRING) else 0
-        if len(body) <= first or not m.matches(body[first], EARLY_RETURN):
+        if len(body) <= first:
             return updated_node
+        if not m.matches(body[first], EARLY_RETURN):
+            return self._unguarded(updated_node, where, body)
         rest = body[first + 1:]
         if any(m.findall(s, m.Return()) for s in rest):
             self.skipped.append(f"{where}: returns elsewhere too")
@@ -93,13 +123,37 @@ class CaptureOnEveryRankCommand(VisitorBasedCodemodCommand):
             rest[0] = rest[0].with_changes(leading_lines=[x for x in rest[0].leading_lines if x.comment])
         new = [*body[:first], *rest]
         if any(m.findall(s, CAPTURE_FLAG) for s in rest):
-            last = cst.parse_statement("self.capture_aux_hidden_states = self.pp_group.is_last_rank\n").with_changes(
-                leading_lines=[cst.EmptyLine(comment=cst.Comment(
-                    "# pipespec: every rank captures; only the last returns aux states to the logits processor"))])
-            new.append(last)
+            new.append(_last_rank_line())
         self.adapted.append(where)
         block = cst.ensure_type(updated_node.body, cst.IndentedBlock)
         return updated_node.with_changes(body=block.with_changes(body=new))
+
+    def _unguarded(self, node: cst.FunctionDef, where: str, body: list[cst.BaseStatement]) -> cst.FunctionDef:
+        """A setter without the guard: keep ``capture_aux_hidden_states`` a last-rank fact, or say why not."""
+        if not any(m.findall(s, CAPTURE_ON) for s in body) or m.matches(body[-1], CAPTURE_LAST_RANK):
+            return node
+        if any(m.findall(s, m.Return()) for s in body):
+            self.skipped.append(f"{where}: sets capture_aux_hidden_states = True on every rank and returns early")
+            return node
+        decides = [i for s in body for i in m.findall(s, m.If(test=m.MatchIfTrue(
+            lambda t: bool(m.findall(t, PP_GROUP)))))]
+        if decides:
+            test = _code(cst.ensure_type(decides[0], cst.If).test)
+            self.skipped.append(f"{where}: decides on the pipeline itself (`if {test}`)")
+            return node
+        if not self._holds_pp_group(self._class[-1]):
+            self.skipped.append(f"{where}: sets capture_aux_hidden_states = True on every rank, and its class holds no "
+                                "self.pp_group (in this file) to keep that to the last rank")
+            return node
+        self.adapted.append(where)
+        block = cst.ensure_type(node.body, cst.IndentedBlock)
+        return node.with_changes(body=block.with_changes(body=[*body, _last_rank_line()]))
+
+
+def _last_rank_line() -> cst.BaseStatement:
+    return cst.parse_statement("self.capture_aux_hidden_states = self.pp_group.is_last_rank\n").with_changes(
+        leading_lines=[cst.EmptyLine(comment=cst.Comment(
+            "# pipespec: every rank captures; only the last returns aux states to the logits processor"))])
 
 
 def id_conventions(module: cst.Module) -> dict[str, str]:

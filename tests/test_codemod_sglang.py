@@ -23,7 +23,8 @@ from pipespec.codemods.adapt_sglang import CaptureForm, SglangStatus, adapt_sgla
 from pipespec.contract.layout import plan_layout
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests" / "fixtures" / "sglang_native" / "0.5.23"
+RELEASE = "0.5.23"
+FIXTURES = ROOT / "tests" / "fixtures" / "sglang_native" / RELEASE
 # file -> (decoder, capture form, the convention's words for given ids): what each golden covers
 GOLDEN = {
     "llama": ("LlamaModel", CaptureForm.LIST, "layer_ids is not None: id + 1"),
@@ -78,6 +79,64 @@ def test_setter_keeps_capture_flag_a_last_rank_fact() -> None:
         assert causal.capture_aux_hidden_states is last
         setter(causal, None)
         assert causal.model.layers_to_capture == [2, 4, 5]
+
+
+def test_unguarded_setter_keeps_capture_flag_a_last_rank_fact() -> None:
+    """qwen2_5_vl's setter (0.5.23's release file) has no guard and sets ``capture_aux_hidden_states = True`` on
+    every rank, so a non-last rank would unpack its decoder's PPProxyTensors as ``(hidden, aux)``: the adapted
+    setter keeps the flag a last-rank fact, every rank still learns its ids, and a second run changes nothing."""
+    from pipespec.integrations.sglang.sources import source_tree
+
+    code = (source_tree(RELEASE) / "srt" / "models" / "qwen2_5_vl.py").read_text(encoding="utf-8")
+    result = adapt_sglang_module(code, label="qwen2_5_vl.py")
+    assert result.setters == ("Qwen2_5_VLForConditionalGeneration.set_eagle3_layers_to_capture",)
+    assert result.decoders == () and result.setters_left == ()
+    setter = _method(ast.parse(result.code), "Qwen2_5_VLForConditionalGeneration", "set_eagle3_layers_to_capture")
+    for last in (False, True):
+        vl = types.SimpleNamespace(pp_group=types.SimpleNamespace(is_last_rank=last),
+                                   config=types.SimpleNamespace(num_hidden_layers=8),
+                                   model=types.SimpleNamespace(layers_to_capture=[]), capture_aux_hidden_states=False)
+        setter(vl, [0, 3, 6])
+        assert vl.model.layers_to_capture == [1, 4, 7]
+        assert vl.capture_aux_hidden_states is last
+    again = adapt_sglang_module(result.code, label="qwen2_5_vl.py")
+    assert again.code == result.code and again.setters == ()
+
+
+SETTER = """\
+class Base:
+    def __init__(self):
+        self.pp_group = get_pp_group()
+
+
+class {cls}:
+    def set_eagle3_layers_to_capture(self, layer_ids=None):
+{body}
+        self.capture_aux_hidden_states = True
+        self.model.layers_to_capture = [val + 1 for val in layer_ids]
+"""
+
+
+@pytest.mark.parametrize(("cls", "body", "left"), [
+    ("M(Base)", "        pass", ""),  # self.pp_group from a base class of the file: adapted
+    ("M", "        pass", "M.set_eagle3_layers_to_capture: sets capture_aux_hidden_states = True on every rank, and "
+                           "its class holds no self.pp_group (in this file) to keep that to the last rank"),
+    ("M(Base)", "        if self.pp_group.world_size > 1:\n            raise NotImplementedError('PP')",
+     "M.set_eagle3_layers_to_capture: decides on the pipeline itself (`if self.pp_group.world_size > 1`)"),
+    ("M(Base)", "        if layer_ids is None:\n            return",
+     "M.set_eagle3_layers_to_capture: sets capture_aux_hidden_states = True on every rank and returns early"),
+])
+def test_unguarded_setter_adapted_or_left_with_the_reason(cls: str, body: str, left: str) -> None:
+    """An unguarded setter gets the last-rank line only where its class holds ``self.pp_group`` and nothing
+    else in it decides on the pipeline or returns; otherwise the file is unchanged and the reason reported
+    (the plugin refuses the class with it)."""
+    code = SETTER.format(cls=cls, body=body)
+    result = adapt_sglang_module(code, label="m.py")
+    if left:
+        assert (result.code, result.setters, result.setters_left) == (code, (), (left,))
+    else:
+        assert result.setters == ("M.set_eagle3_layers_to_capture",)
+        assert result.code.endswith("        self.capture_aux_hidden_states = self.pp_group.is_last_rank\n")
 
 
 # ------------------------------------------------------------------ the adapted forward, run stage by stage

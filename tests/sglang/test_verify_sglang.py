@@ -6,6 +6,7 @@ already); the CLI itself runs twice, for its JSON, exit codes and flag errors.
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -25,15 +26,25 @@ def verify(*args: str) -> subprocess.CompletedProcess[str]:
                           env=standin_env(), capture_output=True, text=True, timeout=240)
 
 
-@pytest.mark.parametrize(("architecture", "files"), [("LlamaForCausalLM", "llama.py"),
+@pytest.mark.parametrize(("architecture", "files"), [("LlamaForCausalLM", "llama.py"), ("Qwen3ForCausalLM", "qwen3.py"),
                                                      ("Qwen3MoeForCausalLM", "qwen2_moe.py + qwen3_moe.py"),
-                                                     ("DeepseekV2ForCausalLM", "deepseek_v2.py")])
+                                                     ("DeepseekV2ForCausalLM", "deepseek_v2.py"),
+                                                     ("Qwen2_5_VLForConditionalGeneration", "qwen2.py + qwen2_5_vl.py")])
 def test_adaptable_architecture_answers_adapt(architecture: str, files: str) -> None:
     decision = verify_architecture(architecture, 2)
     assert decision.decision is Verdict.ADAPT, decision.reason
     assert decision.cls.endswith(f":{architecture}")
     assert decision.spec == f"sglang dialect (adapt_sglang): {files}"
     assert decision.adapted is not None and decision.adapted.__module__.startswith("pipespec_sglang_adapted.")
+
+
+def test_unguarded_setter_keeps_the_capture_flag_on_the_last_rank() -> None:
+    """Qwen2.5-VL's setter sets capture_aux_hidden_states = True on every rank (no guard in 0.5.23): in the
+    adapted class it is a last-rank fact, so a non-last rank returns its PPProxyTensors instead of unpacking it."""
+    decision = verify_architecture("Qwen2_5_VLForConditionalGeneration", 2)
+    assert decision.adapted is not None, decision.reason
+    source = inspect.getsource(decision.adapted.set_eagle3_layers_to_capture)
+    assert source.rstrip().endswith("self.capture_aux_hidden_states = self.pp_group.is_last_rank")
 
 
 def test_declined_architecture_is_refused_with_the_codemods_reason() -> None:
