@@ -106,8 +106,9 @@ def run(args: argparse.Namespace) -> int:
 def _run_adapt(args: argparse.Namespace) -> int:
     from pipespec.atomic_write import write_atomic
     from pipespec.codegen.decide import resolve_spec
-    from pipespec.codegen.transform import adapt_target
+    from pipespec.codegen.transform import AdaptStatus, adapt_target
     from pipespec.codegen.write import unified_diff
+    from pipespec.codemods.vllm_native_support import DecoderStatus
 
     modes = [f for f, on in (("--diff", args.diff), ("--in-place", args.in_place), ("--check", args.check)) if on]
     if len(modes) > 1:
@@ -135,12 +136,12 @@ def _run_adapt(args: argparse.Namespace) -> int:
     for warning in outcome.warnings:
         print(f"{PROG}: warning: {target.label}: {warning}", file=sys.stderr)
 
-    if outcome.status == "skipped":
+    if outcome.status is AdaptStatus.SKIPPED:
         print(f"{PROG}: skipped {target.label}: {outcome.reason}", file=sys.stderr)
         return 1
     if args.check:
         return _check(args, target, outcome)
-    if outcome.status == "unchanged":
+    if outcome.status is AdaptStatus.UNCHANGED:
         print(f"{PROG}: {target.label}: {outcome.reason}; nothing to do", file=sys.stderr)
         if write_to is None or write_to == target.path:
             return 0
@@ -149,7 +150,7 @@ def _run_adapt(args: argparse.Namespace) -> int:
                                       f"b/{target.label.split(' ')[0]}"))
         return 0
     write_atomic(write_to, outcome.code)
-    what = target.class_name or ", ".join(d.class_name for d in outcome.decoders if d.status == "adapted")
+    what = target.class_name or ", ".join(d.class_name for d in outcome.decoders if d.status is DecoderStatus.ADAPTED)
     print(f"{PROG}: wrote {write_to} ({what}, {outcome.dialect} dialect, spec {outcome.spec_label})", file=sys.stderr)
     return 0
 
@@ -182,10 +183,11 @@ def _target_and_dialect(args: argparse.Namespace) -> tuple[Target, str]:
 def _check(args: argparse.Namespace, target: Target, outcome: Outcome) -> int:
     """``--check``: is FILE adapted (no ``--out``), or is OUT what regenerating would write?"""
     from pipespec.codegen.source import read_text
+    from pipespec.codegen.transform import AdaptStatus
     from pipespec.codegen.write import unified_diff
 
     if args.out is None:
-        if outcome.status == "unchanged":
+        if outcome.status is AdaptStatus.UNCHANGED:
             return 0
         sys.stdout.write(unified_diff(target.code, outcome.code, f"a/{target.label}", f"b/{target.label}"))
         print(f"{PROG}: {target.label}: {target.class_name or 'its PP decoders'} not adapted; run "

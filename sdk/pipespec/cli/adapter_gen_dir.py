@@ -15,8 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipespec.errors import UsageError
+from pipespec.str_enum import StrEnum
 
 PROG = "adapter-gen"
+
+
+class FileStatus(StrEnum):
+    """What ``adapter-gen DIR`` made of one file: its ``adapt_target`` outcome (``AdaptStatus``, same values),
+    or no PP decoder in it."""
+
+    ADAPTED = "adapted"
+    UNCHANGED = "unchanged"
+    SKIPPED = "skipped"  # every decoder declined (each reason is printed; exit 1)
+    NO_DECODER = "no decoder"  # no forward takes intermediate_tensors over a layer loop: copied as it is
 
 
 @dataclass(frozen=True)
@@ -28,7 +39,7 @@ class FileResult:
     label: str
     code: str
     new_code: str
-    status: str  # "adapted" | "unchanged" | "skipped" (every decoder declined) | "no decoder"
+    status: FileStatus
     reason: str
 
 
@@ -54,18 +65,19 @@ def adapt_directory(directory: Path, residual_rule: str | None) -> list[FileResu
         target = load_target(path, None)
         relative = path.relative_to(directory)
         if "intermediate_tensors" not in target.code:  # no forward can take it (the codemod's own shortcut)
-            results.append(FileResult(path, relative, target.label, target.code, target.code, "no decoder", PP_DECODER))
+            results.append(FileResult(path, relative, target.label, target.code, target.code, FileStatus.NO_DECODER, PP_DECODER))
             continue
         try:
             outcome = adapt_target(target, "vllm", None, residual_rule=residual_rule)
         except UsageError as exc:
             if "no PP decoder here" not in str(exc):
                 raise
-            results.append(FileResult(path, relative, target.label, target.code, target.code, "no decoder", str(exc)))
+            results.append(FileResult(path, relative, target.label, target.code, target.code, FileStatus.NO_DECODER, str(exc)))
             continue
         for warning in outcome.warnings:
             print(f"{PROG}: warning: {target.label}: {warning}", file=sys.stderr)
-        results.append(FileResult(path, relative, target.label, target.code, outcome.code, outcome.status, outcome.reason))
+        results.append(FileResult(path, relative, target.label, target.code, outcome.code, FileStatus(outcome.status),
+                                  outcome.reason))
     return results
 
 
@@ -92,12 +104,12 @@ def run_dir(args: argparse.Namespace) -> int:
     if out is not None:
         _check_out(directory, out, creating=not args.check)
     results = adapt_directory(directory, args.residual_rule)
-    if not any(r.status != "no decoder" for r in results):
+    if all(r.status is FileStatus.NO_DECODER for r in results):
         raise UsageError(f"{directory}: no *.py file here has a PP decoder (a class whose forward takes "
                          "intermediate_tensors and loops over self.layers); pass a vLLM model package")
     failed = 0
     for r in results:
-        if r.status == "skipped":
+        if r.status is FileStatus.SKIPPED:
             failed = 1
             print(f"{PROG}: skipped {r.label}: {r.reason}", file=sys.stderr)
     if args.check:
@@ -114,7 +126,7 @@ def run_dir(args: argparse.Namespace) -> int:
     for path, text in writes:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, text)
-    adapted = [r.label for r in results if r.status == "adapted"]
+    adapted = [r.label for r in results if r.status is FileStatus.ADAPTED]
     where = out if out is not None else directory
     print(f"{PROG}: wrote {len(writes)} file(s) under {where} ({len(adapted)} adapted: {', '.join(adapted) or 'none'})",
           file=sys.stderr)
@@ -143,7 +155,7 @@ def _check(results: list[FileResult], directory: Path, out: Path | None) -> int:
             copy = out / r.relative
             current = copy.read_text(encoding="utf-8") if copy.is_file() else ""
             shown = str(copy)
-        if current != r.new_code and not (out is None and r.status == "skipped"):
+        if current != r.new_code and not (out is None and r.status is FileStatus.SKIPPED):
             stale += 1
             sys.stdout.write(unified_diff(current, r.new_code, f"a/{shown}", f"b/{shown} (regenerated)"))
     if stale:

@@ -94,9 +94,12 @@ class _Progress:
     """A one-line progress bar on stderr, drawn only on a terminal (logs and pipes stay clean)."""
 
     def __init__(self, stream: TextIO) -> None:
+        from pipespec.integrations.transformers.zoo.check import STATUSES, ZooStatus
+
         self.stream = stream
         self.enabled = stream.isatty()
-        self.counts: collections.Counter[str] = collections.Counter()
+        self.statuses = STATUSES
+        self.counts: collections.Counter[ZooStatus] = collections.Counter()
 
     def __call__(self, done: int, total: int, result: Any) -> None:
         self.counts[result.status] += 1
@@ -105,7 +108,7 @@ class _Progress:
         width = 30
         filled = width * done // total
         bar = "#" * filled + "-" * (width - filled)
-        tally = " ".join(f"{k} {self.counts[k]}" for k in ("verified", "declined", "failed"))
+        tally = " ".join(f"{k} {self.counts[k]}" for k in self.statuses)
         self.stream.write(f"\r[{bar}] {done}/{total} {tally}  {result.model_type[:24]:<24}")
         self.stream.flush()
 

@@ -127,6 +127,8 @@ class _VllmProgress:
 def _vllm_table(results: Sequence[Any]) -> str:
     """The vLLM zoo's table: one row per decoder (the PP sizes it passed, reasons cut at 110 characters),
     then the counts."""
+    from pipespec.integrations.vllm.zoo import STATUSES
+
     rows = [("file", "decoder", "status", "passes", "reason")]
     for r in results:
         reason = r.reason if len(r.reason) <= 110 else r.reason[:107] + "..."
@@ -136,5 +138,5 @@ def _vllm_table(results: Sequence[Any]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in rows]
     counts = collections.Counter(r.status for r in results)
-    lines.append(f"{len(results)} decoders: " + ", ".join(f"{counts[s]} {s}" for s in ("verified", "supported", "declined", "failed")))
+    lines.append(f"{len(results)} decoders: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES))
     return "\n".join(line.rstrip() for line in lines)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from pipespec.codemods.vllm_native_support import DecoderStatus
 from pipespec.contract.names import AUX_KEY_PREFIX
 from pipespec.integrations.vllm.harness import Job
 from pipespec.integrations.vllm.pp_ranks import (
@@ -74,7 +75,7 @@ class ZooResult:
     class_name: str
     status: VllmZooStatus
     reason: str
-    codemod: str = ""  # adapted | unchanged | declined
+    codemod: DecoderStatus | None = None  # what the codemod did (None: not run through it; JSON "")
     causal_lm: str = ""
     architecture: str = ""
     aux_layers: tuple[int, ...] = ()
@@ -94,7 +95,7 @@ class ZooResult:
     def to_json(self) -> dict[str, Any]:
         return {
             "file": self.file, "class": self.class_name, "status": self.status, "reason": self.reason,
-            "codemod": self.codemod, "causal_lm": self.causal_lm, "architecture": self.architecture,
+            "codemod": self.codemod or "", "causal_lm": self.causal_lm, "architecture": self.architecture,
             "aux_layers": list(self.aux_layers), "num_layers": self.num_layers,
             "max_abs_err_pp1": self.max_abs_err_pp1, "max_abs_err_pp2": self.max_abs_err_pp2,
             "sends_stage0": list(self.sends_stage0), "partition_pp3": list(self.partition_pp3),
@@ -391,7 +392,7 @@ def adapt_files(files: Sequence[str], progress: Callable[[str], None] | None = N
         except UsageError:
             continue  # no PP decoder in this file
         for outcome in adaptation.decoders:
-            adapted = adaptation.code if outcome.status == "adapted" and adaptation.code != code else None
+            adapted = adaptation.code if outcome.status is DecoderStatus.ADAPTED and adaptation.code != code else None
             out.append((rel, outcome, adapted, code))
     return out
 
@@ -407,9 +408,9 @@ def run_vllm_zoo(files: Sequence[str], progress: Any | None = None) -> list[ZooR
         for rel, outcome, code, source in decoders:
             row = ZooResult(file=rel, class_name=outcome.class_name, status=VllmZooStatus.FAILED, reason="",
                             codemod=outcome.status)
-            if outcome.status == "declined":
+            if outcome.status is DecoderStatus.DECLINED:
                 row.status, row.reason = VllmZooStatus.DECLINED, outcome.reason
-            elif outcome.status == "adapted" and code is None:
+            elif outcome.status is DecoderStatus.ADAPTED and code is None:
                 row.reason = "the codemod says adapted but returned the source unchanged"
             else:
                 job, why = _jobs_for(rel, outcome, code, source)
@@ -459,8 +460,8 @@ def _cell(text: str) -> str:
 
 def coverage_markdown(results: Sequence[ZooResult], verdicts: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     """docs/coverage-vllm.md: how it was made, counts, the inherited-flag verdicts, one row per decoder."""
-    counts = {s: sum(r.status == s for r in results) for s in STATUSES}
-    by_codemod = {s: sum(r.codemod == s for r in results) for s in ("adapted", "unchanged", "declined")}
+    counts = {s: sum(r.status is s for r in results) for s in STATUSES}
+    by_codemod = {s: sum(r.codemod is s for r in results) for s in DecoderStatus}
     pp2_passed = sum(r.max_abs_err_pp2 is not None for r in results)
     pp3_passed = sum(r.max_abs_err_pp3 is not None for r in results)
     out = [
