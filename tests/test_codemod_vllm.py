@@ -18,7 +18,7 @@ from libcst.codemod import CodemodContext, CodemodTest, TransformSkip, Transform
 
 from pipespec.cli.adapter_gen import main as adapter_gen_main
 from pipespec.codegen.source import load_target
-from pipespec.codegen.transform import adapt_target
+from pipespec.codegen.transform import AdaptStatus, adapt_target
 from pipespec.codemods.adapt_vllm_forward import ALREADY_ADAPTED, AdaptVllmForwardCommand
 from pipespec.contract.mixin import hop_keys
 from pipespec.contract.spec import AdapterSpec
@@ -301,7 +301,7 @@ def test_golden_output_is_already_adapted(name: str) -> None:
     """Idempotency on real files: adapting the adapted file is a no-op (status unchanged, same text)."""
     target = load_target(FIXTURES / "expected" / f"{name}.py", GOLDEN[name])
     outcome = adapt_target(target, "pipespec")
-    assert (outcome.status, outcome.code) == ("unchanged", target.code)
+    assert outcome.status is AdaptStatus.UNCHANGED and outcome.code == target.code
     assert skip_reason(target.code, GOLDEN[name]).startswith(ALREADY_ADAPTED)
 
 
@@ -314,7 +314,7 @@ def test_hand_adapted_fixture_is_left_alone() -> None:
 def test_declined_fixture_gives_its_reason(name: str) -> None:
     class_name, reason = DECLINED[name]
     outcome = adapt_target(load_target(FIXTURES / f"{name}.py", class_name), "pipespec")
-    assert outcome.status == "skipped" and reason in outcome.reason
+    assert outcome.status is AdaptStatus.SKIPPED and reason in outcome.reason
 
 
 # ----------------------------------------------------------------------------------- numbers
