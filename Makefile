@@ -89,7 +89,7 @@ sources: $(STAMP)
 
 test-core: $(STAMP) sources
 	$(BIN)/ruff check sdk codemods tests bench
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests --ignore=tests/vllm
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests --ignore=tests/vllm --ignore=tests/sglang
 
 # Real vLLM (CPU build) in its own venv: codegen, verifier, zoo and plugin tests.
 test-vllm: $(VSTAMP) sources

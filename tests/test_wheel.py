@@ -14,8 +14,6 @@ pyproject.toml run either way.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -231,13 +229,11 @@ def _readme_install_commands() -> list[str]:
 
 
 def _checkout_cli(*args: str) -> str:
-    """The same command through this checkout's pipespec, in this process (the installed one's oracle)."""
-    from pipespec.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(list(args)) == 0
-    return out.getvalue()
+    """The same command through this checkout's pipespec (the installed one's oracle), in a fresh process: in
+    this one the registry would also hold what earlier tests registered with ``@pipespec.adapter``."""
+    proc = subprocess.run([sys.executable, "-m", "pipespec.cli", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
 
 
 @pytest.mark.wheel

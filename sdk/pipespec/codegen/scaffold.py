@@ -50,6 +50,11 @@ class Scaffold:
     warnings: list[str] = field(default_factory=list)
 
 
+def _py_mapping(mapping: dict[str, int | None]) -> str:
+    """A dict literal with one entry per line, so a generated file keeps within the project's line length."""
+    return "{" + "".join(f"\n    {key!r}: {value!r}," for key, value in mapping.items()) + "\n}"
+
+
 def tiny_config_kwargs(config_cls: type, num_layers_key: str) -> dict[str, int | None]:
     """Constructor arguments of a tiny ``config_cls``: the generic recipe under the config's own field
     names (``attribute_map``: GPT-2's ``n_embd`` for ``hidden_size``), and token ids that fit its vocab."""
@@ -103,6 +108,7 @@ def _template_env():  # type: ignore[no-untyped-def]
     )
     env.filters["toml"] = _toml_value
     env.filters["py"] = repr
+    env.filters["py_mapping"] = _py_mapping
     return env
 
 
