@@ -33,6 +33,7 @@ DEFAULT_VLLM = ROOT / ".venv-vllm" / "lib" / "python3.11" / "site-packages" / "v
 
 
 def survey(source: str, import_check: bool = False, jobs: int = 1) -> dict[str, object]:
+    from pipespec.codegen.source_zoo import CodemodStatus
     from pipespec.codegen.vllm_source_zoo import run_source_zoo
     from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
     from pipespec.codemods.vllm_native_index import default_reader
@@ -40,12 +41,12 @@ def survey(source: str, import_check: bool = False, jobs: int = 1) -> dict[str, 
     zoo = run_source_zoo(source, jobs=jobs)
     imported: dict[str, str] = {}
     if import_check:
-        for rel in dict.fromkeys(r.file for r in zoo.rows if r.codemod == "adapted"):
+        for rel in dict.fromkeys(r.file for r in zoo.rows if r.codemod is CodemodStatus.ADAPTED):
             path = zoo.tree / rel
             code = adapt_vllm_module(path.read_text(encoding="utf-8"), label=f"vllm/{rel}",
                                      read_module=default_reader(str(path))).code
             imported[rel] = import_adapted(path, code, zoo.tree)
-    rows = [{**r.to_json(), "import": imported.get(r.file) if r.codemod == "adapted" else None} for r in zoo.rows]
+    rows = [{**r.to_json(), "import": imported.get(r.file) if r.codemod is CodemodStatus.ADAPTED else None} for r in zoo.rows]
     counts = Counter(str(r["status"]) for r in rows)
     return {"vllm": zoo.release, "tree": str(zoo.tree), "decoders": len(rows), "counts": dict(counts),
             "files_with_pp_handoff": len(zoo.files()), "files_ready": len(zoo.ready_files()),

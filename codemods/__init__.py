@@ -13,6 +13,6 @@ One codemod a file, each with its analysis beside it:
   import edits).
 
 Every module here parses source only: none imports torch, transformers or vllm, or runs what it reads
-(``tests/test_security.py``). From pipespec they import only ``pipespec.contract``, ``pipespec.errors``
-and the version string.
+(``tests/test_security.py``). From pipespec they import only ``pipespec.contract``, ``pipespec.errors``,
+``pipespec.str_enum`` (their statuses) and the version string.
 """

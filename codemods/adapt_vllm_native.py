@@ -35,7 +35,7 @@ import libcst as cst
 from pipespec.codemods.vllm_native_index import ModuleReader, default_reader
 from pipespec.codemods.vllm_native_names import GENERATOR, GENERATOR_VERSION, PP_DECODER
 from pipespec.codemods.vllm_native_passes import DecoderRun, NativeRun, run_passes
-from pipespec.codemods.vllm_native_support import DecoderStatus
+from pipespec.codemods.vllm_native_status import DecoderStatus
 from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import UsageError
 

@@ -4,16 +4,17 @@
 its aux states (SGLang's ``AuxHiddenStateList`` or the packed ``AuxHiddenStatePacker`` buffer), and
 ``DecoderOutcome`` one decoder's row: class, verdict, the reason (construct and line for a decline), the
 id convention read from the model's own ``set_eagle3_layers_to_capture`` and the capture form.
-Pure data; imports nothing but the standard library.
+Pure data; imports nothing but the standard library and pipespec's ``StrEnum``.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
+from pipespec.str_enum import StrEnum
 
-class SglangStatus(enum.Enum):
+
+class SglangStatus(StrEnum):
     """A decoder's verdict, in the order a reader acts on them."""
 
     ADAPTED = "adapted"  # the codemod rewrote it: every rank captures, the hand-off carries the states
@@ -21,7 +22,7 @@ class SglangStatus(enum.Enum):
     DECLINED = "declined"  # a construct the dialect cannot rewrite (named with its line)
 
 
-class CaptureForm(enum.Enum):
+class CaptureForm(StrEnum):
     """How a decoder's forward collects the aux states it hands to the logits processor."""
 
     LIST = "list"  # AuxHiddenStateList: one tensor per id

@@ -42,7 +42,8 @@ from pipespec.codemods.vllm_native_names import (
 from pipespec.codemods.vllm_native_qualified import UNBOUND, VllmNames
 from pipespec.codemods.vllm_native_residual import residual_read, zero_is_none
 from pipespec.codemods.vllm_native_runner_surface import decoder_surface, wrapper_surface
-from pipespec.codemods.vllm_native_support import DecoderStatus, judge
+from pipespec.codemods.vllm_native_status import DecoderStatus
+from pipespec.codemods.vllm_native_support import judge
 from pipespec.contract.names import VLLM_EAGLE3_INTERFACE
 from pipespec.contract.spec import RESIDUAL_RULES, AdapterSpec
 from pipespec.errors import UsageError

@@ -15,20 +15,12 @@ import libcst.matchers as m
 from pipespec.codemods.vllm_forward_shape import names_in
 from pipespec.codemods.vllm_native_loop import ClassLookup, Decline, methods, own_flag
 from pipespec.codemods.vllm_native_names import bases_of, snippet_of
+from pipespec.codemods.vllm_native_status import DecoderStatus
 from pipespec.contract.names import AUX_OVER_PP_FLAG
-from pipespec.str_enum import StrEnum
 
 #: What a forward that already follows vLLM's contract calls (llama.py's LlamaModel.forward).
 CONTRACT_CALLS = frozenset({"collect_remote_aux_hidden_states", "pack_local_aux_hidden_states"})
 _MAX_DEPTH = 6  # base classes followed, in MRO-like order (vLLM's deepest chain is 3)
-
-
-class DecoderStatus(StrEnum):
-    """What the codemod does with one decoder; the value is what reports and JSON say."""
-
-    ADAPTED = "adapted"  # rewritten to vLLM's EAGLE3-over-PP contract
-    UNCHANGED = "unchanged"  # already PP-correct by that contract: left byte-identical
-    DECLINED = "declined"  # not rewritten: the reason names the construct and its line
 
 
 def judge(dec: cst.ClassDef, lookup: ClassLookup | None) -> tuple[DecoderStatus, str]:

@@ -15,7 +15,7 @@ import pytest
 from pipespec.codemods.vllm_native_index import ClassIndex
 from pipespec.codemods.vllm_native_layers import MAX_CLASSES_UP, MAX_NAME_HOPS, layer_classes
 from pipespec.codemods.vllm_native_names import flat_source_of, snippet_of
-from pipespec.codemods.vllm_native_support import DecoderStatus
+from pipespec.codemods.vllm_native_status import DecoderStatus
 
 LAYERS = """
 class DenseLayer(nn.Module):

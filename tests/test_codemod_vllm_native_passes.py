@@ -35,7 +35,7 @@ from pipespec.codemods.vllm_native_passes import (
     run_passes,
 )
 from pipespec.codemods.vllm_native_qualified import VllmNames
-from pipespec.codemods.vllm_native_support import DecoderStatus
+from pipespec.codemods.vllm_native_status import DecoderStatus
 from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import UsageError
 

@@ -108,7 +108,7 @@ def _run_adapt(args: argparse.Namespace) -> int:
     from pipespec.codegen.decide import resolve_spec
     from pipespec.codegen.transform import AdaptStatus, adapt_target
     from pipespec.codegen.write import unified_diff
-    from pipespec.codemods.vllm_native_support import DecoderStatus
+    from pipespec.codemods.vllm_native_status import DecoderStatus
 
     modes = [f for f, on in (("--diff", args.diff), ("--in-place", args.in_place), ("--check", args.check)) if on]
     if len(modes) > 1:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipespec.codegen.source_zoo import SourceRow, SourceZoo, Status, one_line, run_files
+from pipespec.codegen.source_zoo import CodemodStatus, SourceRow, SourceZoo, Status, one_line, run_files
 from pipespec.codemods.adapt_sglang import SglangAdaptResult, SglangStatus, adapt_sglang_module
 from pipespec.codemods.sglang_forward import IDS_VAR
 from pipespec.contract.names import AUX_KEY_PREFIX, AUX_OVER_PP_FLAG
@@ -81,11 +81,12 @@ def survey_file(path: Path, tree: Path) -> list[SourceRow]:
     try:
         module = ast.parse(code)
     except SyntaxError as exc:
-        return [SourceRow(rel, "", Status.CRASHED, f"line {exc.lineno}: not valid Python: {exc.msg}", "crashed")]
+        return [SourceRow(rel, "", Status.CRASHED, f"line {exc.lineno}: not valid Python: {exc.msg}",
+                          CodemodStatus.CRASHED)]
     try:
         result = adapt_sglang_module(code, label=rel)
     except Exception as exc:  # one line, and the run goes on
-        return [SourceRow(rel, "", Status.CRASHED, f"the codemod raised {one_line(exc)}", "crashed")]
+        return [SourceRow(rel, "", Status.CRASHED, f"the codemod raised {one_line(exc)}", CodemodStatus.CRASHED)]
     problems = output_problems(result) if result.changed else {}
     rows = []
     for o in result.decoders:
@@ -93,10 +94,11 @@ def survey_file(path: Path, tree: Path) -> list[SourceRow]:
         convention = f"; ids: {o.id_convention}" if o.id_convention else ""
         if problem:
             rows.append(SourceRow(rel, o.cls, Status.CRASHED, f"the adapted output fails its check: {problem}",
-                                  o.status.value, line=o.line))
+                                  CodemodStatus(o.status.value), line=o.line))
         else:
             reason = o.reason if o.status is SglangStatus.DECLINED else f"{o.capture_form.value}{convention}"
-            rows.append(SourceRow(rel, o.cls, STATUS[o.status], reason, o.status.value, line=o.line))
+            rows.append(SourceRow(rel, o.cls, STATUS[o.status], reason, CodemodStatus(o.status.value),
+                                  line=o.line))
     if not result.decoders:
         rows += _setter_rows(rel, result, problems) or _loop_rows(rel, module)
     return rows
@@ -112,11 +114,12 @@ def _setter_rows(rel: str, result: SglangAdaptResult, problems: dict[str, str]) 
     for cls, methods in by_class.items():
         problem = problems.get("")
         if problem:
-            rows.append(SourceRow(rel, cls, Status.CRASHED, f"the adapted output fails its check: {problem}", "adapted"))
+            rows.append(SourceRow(rel, cls, Status.CRASHED, f"the adapted output fails its check: {problem}",
+                                  CodemodStatus.ADAPTED))
         else:
             rows.append(SourceRow(rel, cls, Status.ADAPTED, f"{' and '.join(methods)}: every rank learns its ids; no "
                                   "decoder with a layer loop in this file (the one it holds is judged in its own file)",
-                                  "adapted"))
+                                  CodemodStatus.ADAPTED))
     return rows
 
 
@@ -129,7 +132,7 @@ def _loop_rows(rel: str, module: ast.Module) -> list[SourceRow]:
                     return [SourceRow(rel, cls.name, Status.DECLINED,
                                       f"`{cls.name}.{fn.name}` (line {node.iter.lineno}) loops over the stage's layers, "
                                       "but no class of this file has a forward with such a loop (no decoder here)",
-                                      "unseen", line=cls.lineno)]
+                                      CodemodStatus.UNSEEN, line=cls.lineno)]
     return []
 
 
@@ -191,7 +194,7 @@ def run_sglang_source_zoo(tree_or_version: str | Path, files: Sequence[str] | No
     Example::
 
         zoo = run_sglang_source_zoo("0.5.23")
-        zoo.counts["crashed"], len(zoo.ready_files()), len(zoo.files())
+        zoo.counts[Status.CRASHED], len(zoo.ready_files()), len(zoo.files())
     """
     tree = source_tree(str(tree_or_version))
     paths = select_files(tree, files)

@@ -29,6 +29,16 @@ class Status(StrEnum):
     CRASHED = "crashed"
 
 
+class CodemodStatus(StrEnum):
+    """What the codemod itself said of a decoder, beside the row's ``Status``."""
+
+    ADAPTED = "adapted"  # it rewrote the decoder
+    UNCHANGED = "unchanged"  # it left the decoder byte-identical
+    DECLINED = "declined"  # it did not rewrite it (the construct and its line)
+    UNSEEN = "unseen"  # a class with a PP hand-off that the codemod does not take for a decoder
+    CRASHED = "crashed"  # the file does not parse, or the codemod raised
+
+
 #: The statuses under which a decoder runs EAGLE3 over PP: as released, or adapted by the codemod.
 READY = (Status.UNCHANGED, Status.SUPPORTED, Status.ADAPTED)
 
@@ -41,13 +51,13 @@ class SourceRow:
     class_name: str
     status: Status
     reason: str
-    codemod: str  # the codemod's own status: adapted | unchanged | declined | unseen | crashed
+    codemod: CodemodStatus
     causal_lm: tuple[str, ...] = ()
     line: int = 0  # the class's line in the released file
 
     def to_json(self) -> dict[str, Any]:
         return {"file": self.file, "class": self.class_name, "status": self.status.value, "reason": self.reason,
-                "codemod": self.codemod, "causal_lm": list(self.causal_lm), "line": self.line}
+                "codemod": self.codemod.value, "causal_lm": list(self.causal_lm), "line": self.line}
 
 
 @dataclass(frozen=True)
@@ -101,4 +111,4 @@ def run_files(survey: Callable[[Job], list[Row]], work: Sequence[Job], jobs: int
     return tuple(r for file_rows in per_file for r in file_rows)
 
 
-__all__ = ["READY", "SourceRow", "SourceZoo", "Status", "one_line", "run_files"]
+__all__ = ["READY", "CodemodStatus", "SourceRow", "SourceZoo", "Status", "one_line", "run_files"]

@@ -26,7 +26,7 @@ from pipespec.codegen.decide import (
 )
 from pipespec.codegen.source import Target, find_class
 from pipespec.codemods.adapt_vllm_native import DecoderOutcome
-from pipespec.codemods.vllm_native_support import DecoderStatus
+from pipespec.codemods.vllm_native_status import DecoderStatus
 from pipespec.contract.names import AUX_OVER_PP_FLAG
 from pipespec.contract.spec import DIALECTS, AdapterSpec
 from pipespec.errors import PipespecError, UsageError

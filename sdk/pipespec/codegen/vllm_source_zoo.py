@@ -35,9 +35,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipespec.codegen.source_zoo import READY, SourceRow, SourceZoo, Status, one_line, run_files
+from pipespec.codegen.source_zoo import (
+    READY,
+    CodemodStatus,
+    SourceRow,
+    SourceZoo,
+    Status,
+    one_line,
+    run_files,
+)
 from pipespec.codemods.adapt_vllm_native import DecoderOutcome, adapt_vllm_module
 from pipespec.codemods.vllm_native_index import default_reader
+from pipespec.codemods.vllm_native_status import DecoderStatus
 from pipespec.contract.names import AUX_OVER_PP_FLAG, VLLM_AUX_CALLS, VLLM_EAGLE3_INTERFACE, VLLM_EAGLE_MIXIN
 from pipespec.errors import UsageError
 from pipespec.integrations.vllm.readiness import judge_decoder_source
@@ -111,7 +120,8 @@ def survey_file(path: Path, tree: Path) -> list[SourceRow]:
     try:
         module = ast.parse(code)
     except SyntaxError as exc:
-        return [SourceRow(rel, "", Status.CRASHED, f"line {exc.lineno}: not valid Python: {exc.msg}", "crashed")]
+        return [SourceRow(rel, "", Status.CRASHED, f"line {exc.lineno}: not valid Python: {exc.msg}",
+                          CodemodStatus.CRASHED)]
     classes = {c.name: c for c in module.body if isinstance(c, ast.ClassDef)}
     handoff = handoff_classes(module)
     reader = default_reader(str(path))
@@ -123,7 +133,7 @@ def survey_file(path: Path, tree: Path) -> list[SourceRow]:
         outcomes, adapted_code = (), code
     except Exception as exc:  # one line, and the run goes on
         names = [c.name for c in handoff] or [""]
-        return [SourceRow(rel, n, Status.CRASHED, f"the codemod raised {one_line(exc)}", "crashed",
+        return [SourceRow(rel, n, Status.CRASHED, f"the codemod raised {one_line(exc)}", CodemodStatus.CRASHED,
                           line=classes[n].lineno if n in classes else 0) for n in names]
     problems = output_problems(adapted_code, outcomes, label, reader) if adapted_code != code else {}
     rows = []
@@ -138,35 +148,36 @@ def survey_file(path: Path, tree: Path) -> list[SourceRow]:
 
 
 def _row(path: Path, tree: Path, rel: str, outcome: DecoderOutcome, problem: str | None, line: int) -> SourceRow:
-    name, causal = outcome.class_name, outcome.causal_lm
+    name, causal, said = outcome.class_name, outcome.causal_lm, CodemodStatus(outcome.status)
     if problem is not None:
-        return SourceRow(rel, name, Status.CRASHED, f"the adapted output fails its check: {problem}", outcome.status, causal, line)
-    if outcome.status == "unchanged":
-        return SourceRow(rel, name, Status.UNCHANGED, outcome.reason, outcome.status, causal, line)
+        return SourceRow(rel, name, Status.CRASHED, f"the adapted output fails its check: {problem}", said, causal, line)
+    if outcome.status is DecoderStatus.UNCHANGED:
+        return SourceRow(rel, name, Status.UNCHANGED, outcome.reason, said, causal, line)
     verdict = _verdict(path, tree, name)
     if isinstance(verdict, str):
-        return SourceRow(rel, name, Status.CRASHED, verdict, outcome.status, causal, line)
+        return SourceRow(rel, name, Status.CRASHED, verdict, said, causal, line)
     supported, why = verdict
     if supported:
-        codemod = ("the codemod would rewrite it all the same (its output passes the checks)" if outcome.status == "adapted"
-                   else f"the codemod declines it ({outcome.reason})")
-        return SourceRow(rel, name, Status.SUPPORTED, f"as released: {why}; {codemod}", outcome.status, causal, line)
-    if outcome.status == "adapted":
-        return SourceRow(rel, name, Status.ADAPTED, "", outcome.status, causal, line)
-    return SourceRow(rel, name, Status.DECLINED, outcome.reason, outcome.status, causal, line)
+        codemod = ("the codemod would rewrite it all the same (its output passes the checks)"
+                   if outcome.status is DecoderStatus.ADAPTED else f"the codemod declines it ({outcome.reason})")
+        return SourceRow(rel, name, Status.SUPPORTED, f"as released: {why}; {codemod}", said, causal, line)
+    if outcome.status is DecoderStatus.ADAPTED:
+        return SourceRow(rel, name, Status.ADAPTED, "", said, causal, line)
+    return SourceRow(rel, name, Status.DECLINED, outcome.reason, said, causal, line)
 
 
 def _unseen_row(path: Path, tree: Path, rel: str, cls: ast.ClassDef) -> SourceRow:
     verdict = _verdict(path, tree, cls.name)
     if isinstance(verdict, str):
-        return SourceRow(rel, cls.name, Status.CRASHED, verdict, "unseen", line=cls.lineno)
+        return SourceRow(rel, cls.name, Status.CRASHED, verdict, CodemodStatus.UNSEEN, line=cls.lineno)
     supported, why = verdict
     forward = next(f for f in cls.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) and f.name == "forward")
     unseen = (f"line {forward.lineno}: `{cls.name}.forward` hands IntermediateTensors to the next stage, but the codemod "
               "finds no loop over this stage's layers in it")
     if supported:
-        return SourceRow(rel, cls.name, Status.SUPPORTED, f"as released: {why}; {unseen}", "unseen", line=cls.lineno)
-    return SourceRow(rel, cls.name, Status.DECLINED, f"{unseen}; {why}", "unseen", line=cls.lineno)
+        return SourceRow(rel, cls.name, Status.SUPPORTED, f"as released: {why}; {unseen}", CodemodStatus.UNSEEN,
+                         line=cls.lineno)
+    return SourceRow(rel, cls.name, Status.DECLINED, f"{unseen}; {why}", CodemodStatus.UNSEEN, line=cls.lineno)
 
 
 def _verdict(path: Path, tree: Path, name: str) -> tuple[bool, str] | str:
@@ -181,7 +192,7 @@ def _verdict(path: Path, tree: Path, name: str) -> tuple[bool, str] | str:
 # ------------------------------------------------------------------------------- output checks
 def output_problems(code: str, outcomes: Sequence[DecoderOutcome], label: str, reader: Any) -> dict[str, str]:
     """For each adapted decoder, the first check its file's output fails (absent when it passes them all)."""
-    adapted = [o for o in outcomes if o.status == "adapted"]
+    adapted = [o for o in outcomes if o.status is DecoderStatus.ADAPTED]
     try:
         compile(code, label, "exec")
         module = ast.parse(code)
@@ -217,7 +228,8 @@ def _not_idempotent(code: str, adapted: Sequence[DecoderOutcome], label: str, re
     if again.code != code:
         return "not idempotent: the codemod on its own output changes it again"
     status = {d.class_name: d.status for d in again.decoders}
-    moved = [f"{o.class_name}: {status.get(o.class_name, 'not found')}" for o in adapted if status.get(o.class_name) != "unchanged"]
+    moved = [f"{o.class_name}: {status.get(o.class_name, 'not found')}" for o in adapted
+             if status.get(o.class_name) is not DecoderStatus.UNCHANGED]
     return f"not idempotent: on its own output the codemod does not call it unchanged ({'; '.join(moved)})" if moved else ""
 
 
@@ -286,7 +298,7 @@ def run_source_zoo(tree_or_version: str | Path, files: Sequence[str] | None = No
     Example::
 
         zoo = run_source_zoo("0.34.0")
-        zoo.counts["crashed"], len(zoo.ready_files()), len(zoo.files())
+        zoo.counts[Status.CRASHED], len(zoo.ready_files()), len(zoo.files())
     """
     tree = source_tree(str(tree_or_version))
     paths = select_files(tree, files)

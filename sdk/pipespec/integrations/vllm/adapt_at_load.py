@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pipespec.codemods.vllm_native_status import DecoderStatus
 from pipespec.errors import PipespecError, UnsupportedModelError, UsageError
 from pipespec.integrations.verdict import Verdict
 from pipespec.integrations.vllm import compat
@@ -99,7 +100,7 @@ def decide(architecture: str, cls: type, method: str = "eagle3", pp: int = 1) ->
         built = install_finder().built(name)
     except PipespecError as exc:
         return _vllm_own_or_refuse(architecture, cls, pp, drops_aux, head, f"pipespec cannot adapt it: {exc}")
-    if built.status != "adapted":
+    if built.status is not DecoderStatus.ADAPTED:
         why = built.reason or "the codemod left its decoder unchanged"
         return _vllm_own_or_refuse(architecture, cls, pp, drops_aux, head,
                                    f"pipespec cannot adapt it: {built.status} ({why})", built.spec.label)

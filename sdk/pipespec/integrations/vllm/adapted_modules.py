@@ -38,6 +38,7 @@ from types import ModuleType
 
 import pipespec
 from pipespec.atomic_write import write_atomic
+from pipespec.codemods.vllm_native_status import DecoderStatus
 from pipespec.contract.registry import default_registry
 from pipespec.contract.spec import AdapterSpec
 from pipespec.errors import PipespecError, SpecError, UnsupportedModelError, UsageError
@@ -67,7 +68,7 @@ class AdaptedSource:
     code: str
     source_file: str
     spec: SpecChoice
-    status: str  # the DecoderOutcome status of the class's decoder: adapted | unchanged | declined
+    status: DecoderStatus  # what the codemod did with the class's decoder (only ADAPTED code is imported)
     reason: str
     cache_file: Path | None
     key: str  # hash of everything the code depends on (``_build_key``)
@@ -206,7 +207,7 @@ def build_adapted_source(module_name: str) -> AdaptedSource:
     if cache_file is not None and cache_file.is_file():  # written by an earlier process: only adapted code is
         built = AdaptedSource(module_name=module_name, original_module=original, class_name=class_name,
                               architecture=architecture, code=cache_file.read_text(encoding="utf-8"),
-                              source_file=source_file, spec=spec, status="adapted", reason="", cache_file=cache_file,
+                              source_file=source_file, spec=spec, status=DecoderStatus.ADAPTED, reason="", cache_file=cache_file,
                               key=key)
     else:
         built = _run_codemod(module_name, original, class_name, architecture, source, source_file, spec, key, cache_file)
@@ -231,7 +232,7 @@ def _run_codemod(module_name: str, original: str, class_name: str, architecture:
             f"{architecture}: the codemod found no PP decoder behind {class_name} in {source_file}"
         )
     code = adaptation.code
-    if cache_file is not None and outcome.status == "adapted":
+    if cache_file is not None and outcome.status is DecoderStatus.ADAPTED:
         cache_file = cache_file if _write_atomically(cache_file, code) else None
     else:
         cache_file = None
@@ -263,7 +264,7 @@ class AdaptedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if parse_adapted_module_name(fullname) is None:
             return None
         built = self.built(fullname)
-        if built.status != "adapted":
+        if built.status is not DecoderStatus.ADAPTED:
             raise ImportError(f"pipespec: {built.class_name} was not adapted ({built.status}: {built.reason})", name=fullname)
         spec = importlib.util.spec_from_loader(fullname, self, origin=str(built.cache_file) if built.cache_file else None)
         if spec is not None and built.cache_file is not None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from pipespec.codemods.vllm_native_support import DecoderStatus
+from pipespec.codemods.vllm_native_status import DecoderStatus
 from pipespec.contract.names import AUX_KEY_PREFIX
 from pipespec.integrations.vllm.harness import Job
 from pipespec.integrations.vllm.pp_ranks import (
