@@ -24,6 +24,7 @@ from pipespec.codemods.adapt_vllm_native import adapt_vllm_module
 from pipespec.codemods.vllm_native_index import default_reader
 from pipespec.errors import UsageError
 from pipespec.integrations.vllm.sources import source_tree
+from pipespec.integrations.vllm.zoo import VllmZooStatus
 
 # Issue 31's "done when": files with a PP hand-off adapted or unchanged (supported counts: nothing to do),
 # and how many such files the issue counted (the zoo also counts hand-off classes the codemod does not see,
@@ -211,13 +212,13 @@ def test_release_sections_and_the_numeric_zoo_share_one_file(tmp_path: Path) -> 
     writes it) and each release's source-zoo table; text outside the sections is kept."""
     out = tmp_path / "coverage-vllm.md"
     args = argparse.Namespace(engine="vllm", json=True, write_coverage=str(out))
-    assert finish(args, [], "", lambda: "# vLLM zoo coverage\n\nnumeric v1\n") == 0
+    assert finish(args, [], "", lambda: "# vLLM zoo coverage\n\nnumeric v1\n", failed=VllmZooStatus.FAILED) == 0
     out.write_text(out.read_text(encoding="utf-8") + "\nhand-written note\n", encoding="utf-8")
     proc = _cli("--engine", "vllm", "--source", "0.34.0", "--files", "llama.py", "--write-coverage", str(out))
     assert proc.returncode == 0, proc.stderr
     first = out.read_text(encoding="utf-8")
     assert "numeric v1" in first and "hand-written note" in first and "| model_executor/models/llama.py | LlamaModel | unchanged |" in first
-    assert finish(args, [], "", lambda: "# vLLM zoo coverage\n\nnumeric v2\n") == 0
+    assert finish(args, [], "", lambda: "# vLLM zoo coverage\n\nnumeric v2\n", failed=VllmZooStatus.FAILED) == 0
     second = out.read_text(encoding="utf-8")
     assert "numeric v1" not in second and "numeric v2" in second
     assert second.split(markers("vllm-source 0.34.0")[0])[1] == first.split(markers("vllm-source 0.34.0")[0])[1]

@@ -10,61 +10,23 @@ line, exit 2, before anything is fetched or written.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
-from pipespec.cli.report_sections import check_section, write_section
-from pipespec.cli.zoo import load_average, run_facts
-from pipespec.cli.zoo_vllm_source import STATUSES, summary
+from pipespec.cli.zoo import run_facts
+from pipespec.cli.zoo_source import STATUSES, SourceEngine, markdown_cell, run_source, summary
 from pipespec.codegen.sglang_source_zoo import release_of, run_sglang_source_zoo, select_files
 from pipespec.codegen.source_zoo import SourceZoo
 from pipespec.errors import UsageError
 from pipespec.integrations.sglang.sources import source_tree
 
-SECTION = "sglang-source {release}"
-
 
 def run_sglang_source(args: argparse.Namespace) -> int:
-    """The SGLang source zoo: flags checked, the tree read, the table (or JSON) printed, the section written."""
+    """The SGLang source zoo: flags checked, then the shared run (``pipespec.cli.zoo_source``) over the tree."""
     if args.source is None:
         raise UsageError("--engine sglang needs --source TREE_OR_VERSION (an SGLang tree, or a release such as 0.5.23): "
                          "it reads SGLang's source, it does not run it")
     if args.model_types:
         raise UsageError("--model-types is for --engine transformers; with --source, name SGLang model files with --files")
-    wanted = args.files.split(",") if args.files is not None else None
-    tree = source_tree(args.source)
-    select_files(tree, wanted)  # a bad --files value is one line before the run
-    key = SECTION.format(release=release_of(tree))
-    if args.write_coverage:
-        check_section(args.write_coverage, key)
-    load = load_average()
-    zoo = run_sglang_source_zoo(tree, wanted, jobs=args.jobs)
-    if args.json:
-        print(json.dumps([r.to_json() for r in zoo.rows]))
-    else:
-        print(source_table(zoo))
-    if args.write_coverage:
-        command = f"pipespec zoo --engine sglang --source {args.source} --write-coverage {args.write_coverage}"
-        if args.files:
-            command += f" --files {args.files}"
-        if args.jobs > 1:
-            command += f" --jobs {args.jobs}"
-        write_section(args.write_coverage, key, source_markdown(zoo, command, load))
-        print(f"wrote the SGLang {zoo.release} section of {args.write_coverage}", file=sys.stderr)
-    return 1 if zoo.crashed() else 0
-
-
-def source_table(zoo: SourceZoo) -> str:
-    """One row per decoder (reasons cut at 110 characters), then the counts and the wall time."""
-    rows = [("file", "decoder", "status", "reason")]
-    for r in zoo.rows:
-        reason = r.reason if len(r.reason) <= 110 else r.reason[:107] + "..."
-        rows.append((r.file, r.class_name or "-", r.status.value, reason))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
-    decoders, files = summary(zoo)
-    lines += [f"SGLang {zoo.release} ({zoo.tree}): {decoders}", files, f"{zoo.wall_s:.1f} s wall, {zoo.jobs} process(es)"]
-    return "\n".join(line.rstrip() for line in lines)
+    return run_source(ENGINE, args)
 
 
 def source_markdown(zoo: SourceZoo, command: str, load: float) -> str:
@@ -98,13 +60,14 @@ def source_markdown(zoo: SourceZoo, command: str, load: float) -> str:
         "",
         "| file | class | status | reason |",
         "|---|---|---|---|",
-        *[f"| {r.file} | {r.class_name} | {r.status.value} | {_cell(r.reason)} |" for r in zoo.rows],
+        *[f"| {r.file} | {r.class_name} | {r.status.value} | {markdown_cell(r.reason)} |" for r in zoo.rows],
     ]
     return "\n".join(out) + "\n"
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
 
+ENGINE = SourceEngine(name="sglang", label="SGLang", section="sglang-source {release}", source_tree=source_tree,
+                      select_files=select_files, release_of=release_of, run=run_sglang_source_zoo,
+                      markdown=source_markdown)
 
-__all__ = ["run_sglang_source", "source_markdown", "source_table"]
+__all__ = ["ENGINE", "run_sglang_source", "source_markdown"]

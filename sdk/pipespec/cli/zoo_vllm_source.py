@@ -1,81 +1,32 @@
 """``pipespec zoo --engine vllm --source TREE_OR_VERSION``: the source zoo over any vLLM tree or release.
 
 Runs ``pipespec.codegen.vllm_source_zoo.run_source_zoo`` (the codemod and the support verdict over every
-decoder with a PP hand-off, vLLM never imported, so it runs in a venv without vLLM), prints the table or
-``--json``, and with ``--write-coverage FILE`` replaces that release's section of FILE
-(``pipespec.cli.report_sections``). Exit 1 when any decoder crashed; bad input is one line, exit 2, before
-anything is fetched or written.
+decoder with a PP hand-off, vLLM never imported, so it runs in a venv without vLLM) through the run both
+source zoos share (``pipespec.cli.zoo_source``: the table or ``--json``, ``--write-coverage FILE``, exit 1 when
+any decoder crashed); this module checks the flags and writes docs/coverage-vllm.md's section. Bad input is
+one line, exit 2, before anything is fetched or written.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
-from pipespec.cli.report_sections import check_section, write_section
-from pipespec.cli.zoo import load_average, run_facts
-from pipespec.codegen.vllm_source_zoo import SourceZoo, Status, release_of, run_source_zoo, select_files
+from pipespec.cli.zoo import run_facts
+from pipespec.cli.zoo_source import STATUSES, SourceEngine, markdown_cell, run_source, summary
+from pipespec.codegen.source_zoo import SourceZoo
+from pipespec.codegen.vllm_source_zoo import release_of, run_source_zoo, select_files
 from pipespec.errors import UsageError
 from pipespec.integrations.vllm.sources import source_tree
 
-SECTION = "vllm-source {release}"
-STATUSES = [s.value for s in Status]
-
 
 def run_vllm_source(args: argparse.Namespace) -> int:
-    """The source zoo: flags checked, the tree read, the table (or JSON) printed, the release's section written."""
+    """The source zoo: flags checked, then the shared run (``pipespec.cli.zoo_source``) over the vLLM tree."""
     if args.engine != "vllm":
         raise UsageError(f"--source {args.source} reads a vLLM tree: it needs --engine vllm "
                          f"(--engine {args.engine} checks the installed transformers)")
     if args.model_types:
         raise UsageError("--model-types is for --engine transformers; with --source, name vLLM model files with --files")
-    wanted = args.files.split(",") if args.files is not None else None
-    tree = source_tree(args.source)
-    select_files(tree, wanted)  # a bad --files value is one line before the run
-    key = SECTION.format(release=release_of(tree))
-    if args.write_coverage:
-        check_section(args.write_coverage, key)
-    load = load_average()
-    zoo = run_source_zoo(tree, wanted, jobs=args.jobs)
-    if args.json:
-        print(json.dumps([r.to_json() for r in zoo.rows]))
-    else:
-        print(source_table(zoo))
-    if args.write_coverage:
-        command = f"pipespec zoo --engine vllm --source {args.source} --write-coverage {args.write_coverage}"
-        if args.files:
-            command += f" --files {args.files}"
-        if args.jobs > 1:
-            command += f" --jobs {args.jobs}"
-        write_section(args.write_coverage, key, source_markdown(zoo, command, load))
-        print(f"wrote the vLLM {zoo.release} section of {args.write_coverage}", file=sys.stderr)
-    return 1 if zoo.crashed() else 0
-
-
-def summary(zoo: SourceZoo) -> tuple[str, str]:
-    """The counts per status and the files line ("X of Y files with a PP hand-off ...")."""
-    counts = ", ".join(f"{zoo.counts[s]} {s}" for s in STATUSES)
-    files = (f"{len(zoo.ready_files())} of {len(zoo.files())} files with a PP hand-off adapted, unchanged or supported "
-             f"({zoo.files_read} model files read)")
-    return f"{len(zoo.rows)} decoders: {counts}", files
-
-
-def source_table(zoo: SourceZoo) -> str:
-    """One row per decoder (reasons cut at 110 characters), then the counts, the files line and the wall time."""
-    rows = [("file", "decoder", "status", "reason")]
-    for r in zoo.rows:
-        reason = r.reason if len(r.reason) <= 110 else r.reason[:107] + "..."
-        rows.append((r.file, r.class_name or "-", r.status.value, reason))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
-    decoders, files = summary(zoo)
-    lines += [f"vLLM {zoo.release} ({zoo.tree}): {decoders}", files, f"{zoo.wall_s:.1f} s wall, {zoo.jobs} process(es)"]
-    return "\n".join(line.rstrip() for line in lines)
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    return run_source(ENGINE, args)
 
 
 def source_markdown(zoo: SourceZoo, command: str, load: float) -> str:
@@ -110,9 +61,12 @@ def source_markdown(zoo: SourceZoo, command: str, load: float) -> str:
         "",
         "| file | decoder | status | codemod | reason |",
         "|---|---|---|---|---|",
-        *[f"| {r.file} | {r.class_name} | {r.status.value} | {r.codemod} | {_cell(r.reason)} |" for r in zoo.rows],
+        *[f"| {r.file} | {r.class_name} | {r.status.value} | {r.codemod} | {markdown_cell(r.reason)} |" for r in zoo.rows],
     ]
     return "\n".join(out) + "\n"
 
 
-__all__ = ["run_vllm_source", "source_markdown", "source_table", "summary"]
+ENGINE = SourceEngine(name="vllm", label="vLLM", section="vllm-source {release}", source_tree=source_tree,
+                      select_files=select_files, release_of=release_of, run=run_source_zoo, markdown=source_markdown)
+
+__all__ = ["ENGINE", "run_vllm_source", "source_markdown"]
