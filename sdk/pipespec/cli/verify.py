@@ -21,6 +21,7 @@ import argparse
 import importlib
 import json
 from pathlib import Path
+from typing import Any
 
 from pipespec.cli.args import add_layout_arguments, layout_from_args
 from pipespec.contract.registry import default_registry
@@ -70,12 +71,7 @@ def run_vllm(args: argparse.Namespace) -> int:
 
         cls = resolve_backend_class(args.architecture)
     decision = verify_architecture(args.architecture, args.method, args.pp, cls)
-    if args.json:
-        print(json.dumps(decision.as_json()))
-    else:
-        spec = f" (spec: {decision.spec})" if decision.spec else ""
-        print(f"{decision.architecture}: {decision.decision}{spec}: {decision.reason}")
-    return 2 if decision.decision is Verdict.REFUSE else 0
+    return report(decision, args.json)
 
 
 def run_sglang(args: argparse.Namespace) -> int:
@@ -89,7 +85,12 @@ def run_sglang(args: argparse.Namespace) -> int:
     from pipespec.integrations.sglang.adapt_at_load import verify_architecture
 
     decision = verify_architecture(args.architecture, args.pp)
-    if args.json:
+    return report(decision, args.json)
+
+
+def report(decision: Any, as_json: bool) -> int:
+    """An engine plugin's decision (vLLM's or SGLang's ``Decision``) as JSON or one line; exit 2 when refused."""
+    if as_json:
         print(json.dumps(decision.as_json()))
     else:
         spec = f" (spec: {decision.spec})" if decision.spec else ""

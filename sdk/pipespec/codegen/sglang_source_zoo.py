@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import ast
 import re
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipespec.codegen.source_zoo import CodemodStatus, SourceRow, SourceZoo, Status, one_line, run_files
+from pipespec.codegen.source_zoo import CodemodStatus, SourceRow, SourceZoo, Status, one_line, survey_tree
 from pipespec.codemods.adapt_sglang import SglangAdaptResult, SglangStatus, adapt_sglang_module
 from pipespec.codemods.sglang_forward import IDS_VAR
 from pipespec.contract.names import AUX_KEY_PREFIX, AUX_OVER_PP_FLAG
@@ -198,9 +197,7 @@ def run_sglang_source_zoo(tree_or_version: str | Path, files: Sequence[str] | No
     """
     tree = source_tree(str(tree_or_version))
     paths = select_files(tree, files)
-    started = time.perf_counter()
-    rows = run_files(_survey_job, [(str(p), str(tree)) for p in paths], jobs)
-    return SourceZoo(tree, release_of(tree), rows, len(paths), time.perf_counter() - started, jobs)
+    return survey_tree(tree, release_of(tree), paths, _survey_job, jobs)
 
 
 __all__ = ["model_files", "output_problems", "release_of", "run_sglang_source_zoo", "select_files", "survey_file"]

@@ -10,6 +10,7 @@ Engine-neutral: nothing here imports an engine, torch, or the code the zoos read
 from __future__ import annotations
 
 import multiprocessing
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -111,4 +112,12 @@ def run_files(survey: Callable[[Job], list[Row]], work: Sequence[Job], jobs: int
     return tuple(r for file_rows in per_file for r in file_rows)
 
 
-__all__ = ["READY", "CodemodStatus", "SourceRow", "SourceZoo", "Status", "one_line", "run_files"]
+def survey_tree(tree: Path, release: str, paths: Sequence[Path], survey: Callable[[tuple[str, str]], list[SourceRow]],
+                jobs: int) -> SourceZoo:
+    """``survey`` over ``paths`` of ``tree`` (one ``(file, tree)`` job each, ``run_files``), timed, as the zoo."""
+    started = time.perf_counter()
+    rows = run_files(survey, [(str(p), str(tree)) for p in paths], jobs)
+    return SourceZoo(tree, release, rows, len(paths), time.perf_counter() - started, jobs)
+
+
+__all__ = ["READY", "CodemodStatus", "SourceRow", "SourceZoo", "Status", "one_line", "run_files", "survey_tree"]

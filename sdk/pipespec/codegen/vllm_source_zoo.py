@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import ast
 import re
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from pipespec.codegen.source_zoo import (
     SourceZoo,
     Status,
     one_line,
-    run_files,
+    survey_tree,
 )
 from pipespec.codemods.adapt_vllm_native import DecoderOutcome, adapt_vllm_module
 from pipespec.codemods.vllm_native_index import default_reader
@@ -302,9 +301,7 @@ def run_source_zoo(tree_or_version: str | Path, files: Sequence[str] | None = No
     """
     tree = source_tree(str(tree_or_version))
     paths = select_files(tree, files)
-    started = time.perf_counter()
-    rows = run_files(_survey_job, [(str(p), str(tree)) for p in paths], jobs)
-    return SourceZoo(tree, release_of(tree), rows, len(paths), time.perf_counter() - started, jobs)
+    return survey_tree(tree, release_of(tree), paths, _survey_job, jobs)
 
 
 __all__ = ["READY", "SourceRow", "SourceZoo", "Status", "handoff_classes", "model_files", "output_problems", "release_of",

@@ -25,11 +25,8 @@ from typing import Any
 
 from pipespec.codemods.sglang_outcome import SglangStatus
 from pipespec.errors import UnsupportedModelError, UsageError
-from pipespec.integrations.sglang.adapted_modules import Adaptation, adapt_model_class
+from pipespec.integrations.sglang.adapted_modules import adapt_model_class
 from pipespec.integrations.verdict import Verdict
-
-#: Speculative methods whose draft reads the target's aux hidden states (SGLang's names).
-AUX_METHODS = ("EAGLE3",)
 
 
 @dataclass(frozen=True)
@@ -80,11 +77,6 @@ def decide(architecture: str, cls: type, pp: int = 1) -> Decision:
                         f"({adaptation.reason})", adaptation.label if adaptation.files else None)
     return Decision(architecture, path, Verdict.ADAPT, f"{head}; {adaptation.reason}", adaptation.label,
                     adaptation.adapted)
-
-
-def adaptation_for(cls: type) -> Adaptation:
-    """The adaptation of a class the registry resolved (cached per process)."""
-    return adapt_model_class(cls)
 
 
 def architectures_of(model_path: str) -> list[str]:

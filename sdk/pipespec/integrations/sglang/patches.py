@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 TESTED = ("0.5.23",)
+#: Speculative methods whose draft reads the target's aux hidden states (SGLang's names).
+AUX_METHODS = ("EAGLE3",)
 
 
 @dataclass(frozen=True)
@@ -133,8 +135,7 @@ class _View:
 def _pp_compat_guard(original: Callable[[Any], None], cfg: Any) -> None:
     from pipespec.integrations.sglang.adapt_at_load import decide_for_run, refuse_if_needed
 
-    algorithm = (getattr(cfg, "speculative_algorithm", None) or "").upper()
-    if algorithm != "EAGLE3" or getattr(cfg, "enable_multi_layer_eagle", False):
+    if not _reads_aux(getattr(cfg, "speculative_algorithm", None)) or getattr(cfg, "enable_multi_layer_eagle", False):
         original(cfg)
         return
     pp = int(cfg.pp_size)
@@ -152,7 +153,12 @@ def _captures_aux() -> bool:
         algorithm = get_spec().speculative_algorithm
     except ValueError:  # not published in this process (the front-end before launch): nothing is built here
         return False
-    return (capture or "").upper() == "EAGLE3" or (algorithm or "").upper() == "EAGLE3"
+    return _reads_aux(capture) or _reads_aux(algorithm)
+
+
+def _reads_aux(method: str | None) -> bool:
+    """Whether an SGLang speculative method (or aux-capture setting) is one whose draft reads aux states."""
+    return (method or "").upper() in AUX_METHODS
 
 
 def _resolve_adapted(original: Callable[..., tuple[type, str]], registry: Any, *args: Any, **kwargs: Any
@@ -160,9 +166,9 @@ def _resolve_adapted(original: Callable[..., tuple[type, str]], registry: Any, *
     cls, architecture = original(registry, *args, **kwargs)
     if not _captures_aux():
         return cls, architecture
-    from pipespec.integrations.sglang.adapt_at_load import adaptation_for
+    from pipespec.integrations.sglang.adapted_modules import adapt_model_class
 
-    adaptation = adaptation_for(cls)
+    adaptation = adapt_model_class(cls)  # cached per process
     if adaptation.adapted is None:
         return cls, architecture
     if cls.__name__ not in _logged:
